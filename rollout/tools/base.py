@@ -1,0 +1,69 @@
+"""`BaseTool`: the one plug-in signature every tool implements (verl-compatible).
+
+A tool is one object shared by every trajectory; per-trajectory state lives under an
+`instance_id` that `create` hands out and `release` frees. The agent loop calls, per sample:
+
+    instance_id, _ = await tool.create(instance_id=None, **create_kwargs)
+    response, step_reward, metrics = await tool.execute(instance_id, arguments, **execute_kwargs)
+    reward = await tool.calc_reward(instance_id, **calc_reward_kwargs)
+    await tool.release(instance_id, **release_kwargs)          # always, also on errors
+
+Never call a tool directly from rollout code: go through `rollout.tools.runner.ToolRunner`,
+which adds timeouts, concurrency and rate limits, turns exceptions into tool responses and
+guarantees `release`.
+
+Departs from verl: `create` may return just an id (verl <= 0.4) or `(id, ToolResponse|None)`
+(verl >= 0.5); the runner accepts both. `execute` may return a `str` or a `ToolResponse`.
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from rollout.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+
+
+class BaseTool:
+    """Base class of polyturn tools; subclass and override `execute` (and the others as needed).
+
+    `config` is the YAML entry's `config` mapping; `tool_schema` its `tool_schema`. The tool's
+    `name` is the schema's function name: the name the model calls it by.
+    """
+
+    def __init__(self, config: dict[str, Any], tool_schema: OpenAIFunctionToolSchema):
+        self.config = dict(config or {})
+        self.tool_schema = tool_schema
+        self.name = tool_schema.function.name
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], tool_schema: OpenAIFunctionToolSchema | None) -> list[BaseTool]:
+        """Tools one YAML entry builds. Default: one tool; it needs a `tool_schema`.
+
+        Override to expand one entry into several tools (the MCP adapter does).
+        """
+        if tool_schema is None:
+            raise ValueError(f"{cls.__name__} needs a `tool_schema` in its YAML entry (OpenAI function schema)")
+        return [cls(config, tool_schema)]
+
+    def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
+        return self.tool_schema
+
+    async def create(self, instance_id: str | None = None, **kwargs: Any) -> tuple[str, ToolResponse | None]:
+        """Start a per-trajectory instance; returns its id and an optional initial response."""
+        return instance_id or str(uuid.uuid4()), None
+
+    async def execute(
+        self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
+    ) -> tuple[str | ToolResponse, float, dict[str, Any]]:
+        """Run one call. Returns (response for the model, step reward, metrics)."""
+        raise NotImplementedError(f"{type(self).__name__}.execute is not implemented; override it in your tool")
+
+    async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
+        """The instance's reward so far (used as the tool reward of the trajectory)."""
+        return 0.0
+
+    async def release(self, instance_id: str, **kwargs: Any) -> None:
+        """Free the instance's state. Called exactly once per `create`, also after errors."""
+
+    async def close(self) -> None:
+        """Free resources shared by all instances (servers, pools). Called once by the registry."""

@@ -1,0 +1,48 @@
+"""RL algorithms as pure tensor functions: token rewards, advantages, KL, PPO losses.
+
+Submodules: `rewards` (where rewards sit on the token axis), `advantages` (estimator
+registry), `kl` (KL estimators and KL-in-reward controllers), `losses` (policy and value
+losses whose micro-batch shares sum to the mini-batch loss), `masked` (masked reductions),
+`checks` (input validation). Everything a trainer needs is re-exported here.
+"""
+from recipe.algos.advantages import ADV_ESTIMATORS, AdvantageInputs, AlgorithmConfig, compute_advantage
+from recipe.algos.kl import (
+    KL_KINDS,
+    AdaptiveKLController,
+    FixedKLController,
+    KLControlConfig,
+    KLController,
+    apply_kl_penalty,
+    kl_penalty,
+    make_kl_controller,
+)
+from recipe.algos.losses import LOSS_AGG_MODES, PolicyLossConfig, ValueLossConfig, agg_loss, policy_loss, value_loss
+from recipe.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from recipe.algos.rewards import last_sampled_index, place_token_rewards
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "KL_KINDS",
+    "LOSS_AGG_MODES",
+    "AdaptiveKLController",
+    "AdvantageInputs",
+    "AlgorithmConfig",
+    "FixedKLController",
+    "KLControlConfig",
+    "KLController",
+    "PolicyLossConfig",
+    "ValueLossConfig",
+    "agg_loss",
+    "apply_kl_penalty",
+    "compute_advantage",
+    "kl_penalty",
+    "last_sampled_index",
+    "make_kl_controller",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "place_token_rewards",
+    "policy_loss",
+    "value_loss",
+]

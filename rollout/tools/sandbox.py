@@ -1,0 +1,299 @@
+"""Run untrusted Python in a contained subprocess.
+
+Every run gets a fresh process with, in order of strength:
+
+1. **Linux namespaces** (when `unshare` works, as it does for root in containers): a new network
+   namespace (loopback only, down: no network at all), PID namespace (the run cannot see or
+   signal host processes; when it ends every process it forked dies with it), IPC, UTS and
+   mount namespaces. In the mount namespace `/tmp` and `/dev/shm` are fresh size-limited tmpfs
+   (`/tmp` is the run's own working directory, gone after the run) and the directories in
+   `hidden_paths` (`/root`, `/home`, `/work`, ...) are covered by empty read-only tmpfs.
+2. **Dropped privileges**: when the host runs as root, the code runs as `nobody` with no
+   capabilities and `no_new_privs` (`setpriv`), so root-only files (`/etc/shadow`, other temp
+   dirs made by `mkdtemp`) are unreadable and `RLIMIT_NPROC` is enforced (root ignores it).
+3. **Resource limits**: CPU time (`RLIMIT_CPU`), address space (`RLIMIT_AS`), file size
+   (`RLIMIT_FSIZE`), processes (`RLIMIT_NPROC`), open files, no core dumps.
+4. **Wall-clock timeout**: the whole process group (and with it the PID namespace) is killed.
+   Cancelling `Sandbox.run` (e.g. the tool runner's timeout) kills it the same way.
+5. **Output caps**: stdout and stderr are kept up to `max_output_bytes` each; the rest is
+   drained and dropped, and the result says it was truncated.
+
+Fallback when namespaces are unavailable (`isolation="rlimits"`, logged as a warning): 2-5
+still hold, the working directory is a fresh host temp dir, and a Python audit hook installed
+before the code runs refuses sockets, `ctypes` and starting other programs. That is weaker
+(an audit hook lives inside the process it guards); install util-linux's `unshare` (or run
+where namespaces are allowed) for real isolation.
+
+Departs from typical RL sandboxes (SandboxFusion, E2B): no server, no container image; a run
+costs one `python3` start (~30 ms) and works offline on any Linux host.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+NOBODY_UID = 65534
+NOBODY_GID = 65534
+DEFAULT_HIDDEN_PATHS = ("/root", "/home", "/work", "/var/tmp", "/mnt", "/srv", "/run", "/builds")
+
+# Installed before user code in "rlimits" isolation only: refuses the events that reach
+# outside the process. Audit hooks cannot be removed once added.
+_AUDIT_PRELUDE = """\
+import sys as _s
+def _polyturn_guard(event, args, _blocked=("socket.", "ctypes.", "subprocess.Popen", "os.exec", "os.posix_spawn", "os.spawn", "os.system", "os.startfile")):
+    if event.startswith(_blocked):
+        raise PermissionError(f"sandbox: {event} is not allowed")
+_s.addaudithook(_polyturn_guard)
+_code = _s.stdin.read()
+del _polyturn_guard
+exec(compile(_code, "<stdin>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+"""
+
+
+@dataclass
+class SandboxLimits:
+    """Limits of one sandboxed run."""
+
+    wall_timeout_s: float = 10.0  # kill the run after this much wall time
+    cpu_time_s: int = 10  # RLIMIT_CPU of each process (SIGXCPU, then SIGKILL one second later)
+    memory_mb: int = 1024  # RLIMIT_AS of each process (allocations beyond fail with MemoryError)
+    file_size_mb: int = 16  # RLIMIT_FSIZE: largest file a run may write
+    max_processes: int = 64  # RLIMIT_NPROC of the sandbox user (enforced only when privileges are dropped)
+    max_open_files: int = 256  # RLIMIT_NOFILE
+    disk_mb: int = 64  # size of the run's /tmp (namespaces only)
+    max_output_bytes: int = 16384  # per stream (stdout, stderr)
+
+    def __post_init__(self) -> None:
+        for name in ("wall_timeout_s", "cpu_time_s", "memory_mb", "file_size_mb", "max_processes", "max_open_files",
+                     "disk_mb", "max_output_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass
+class SandboxResult:
+    """What one run did."""
+
+    stdout: str  # decoded (utf-8, replacement on errors), capped
+    stderr: str
+    exit_code: int | None  # process exit status; negative: killed by that signal; None if it never ran
+    timed_out: bool  # killed by the wall-clock timeout
+    truncated: bool  # stdout or stderr exceeded max_output_bytes
+    duration_s: float
+    isolation: str  # "namespaces" or "rlimits"
+    notes: list[str] = field(default_factory=list)  # human-readable reasons (limits hit)
+
+    def to_text(self) -> str:
+        """The run as the model sees it: notes, exit code, stdout, stderr."""
+        parts = [f"[{n}]" for n in self.notes]
+        parts.append(f"exit_code: {self.exit_code}")
+        if self.stdout:
+            parts.append("stdout:\n" + self.stdout)
+        if self.stderr:
+            parts.append("stderr:\n" + self.stderr)
+        return "\n".join(parts)
+
+
+def _world_executable(path: str) -> bool:
+    """True when `path` (symlinks resolved) and every directory above it are usable by any user."""
+    real = Path(os.path.realpath(path))
+    if not real.is_file() or not os.stat(real).st_mode & 0o001:
+        return False
+    return all(os.stat(parent).st_mode & 0o001 for parent in real.parents)
+
+
+def find_interpreter(preferred: str | None, drop_privileges: bool) -> str:
+    """A python3 the sandbox user can run: `preferred`, else /usr/bin/python3, PATH's python3, ours."""
+    candidates = [preferred] if preferred else ["/usr/bin/python3", shutil.which("python3"), sys.executable]
+    for cand in candidates:
+        if cand and os.path.exists(cand) and (not drop_privileges or _world_executable(cand)):
+            return cand
+    raise RuntimeError(
+        f"no python interpreter usable by the sandbox user among {candidates}; "
+        "install python3 in a world-readable location (e.g. apt-get install python3) or set python_executable"
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def namespaces_available(unshare: str | None, as_root: bool) -> bool:
+    """Whether `unshare` can create the namespaces the sandbox uses (probed once per process)."""
+    if unshare is None:
+        return False
+    argv = [unshare, *_unshare_flags(as_root), "--", "/bin/sh", "-c", "mount -t tmpfs tmpfs /tmp"]
+    try:
+        return subprocess.run(argv, capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _unshare_flags(as_root: bool) -> list[str]:
+    flags = ["--net", "--pid", "--ipc", "--uts", "--mount", "--fork", "--kill-child", "--mount-proc"]
+    return flags if as_root else ["--user", "--map-root-user", *flags]
+
+
+class Sandbox:
+    """Runs Python source under `SandboxLimits`; `await sandbox.run(code)`.
+
+    `isolation`: "auto" (namespaces when available, else rlimits), "namespaces" (error if
+    unavailable) or "rlimits".
+    """
+
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        isolation: str = "auto",
+        python_executable: str | None = None,
+        hidden_paths: tuple[str, ...] = DEFAULT_HIDDEN_PATHS,
+    ):
+        self.limits = limits or SandboxLimits()
+        self.as_root = os.geteuid() == 0
+        self.drop_privileges = self.as_root
+        self.python = find_interpreter(python_executable, self.drop_privileges)
+        unshare = shutil.which("unshare")
+        if isolation not in {"auto", "namespaces", "rlimits"}:
+            raise ValueError(f"sandbox isolation must be 'auto', 'namespaces' or 'rlimits', got {isolation!r}")
+        has_ns = isolation != "rlimits" and namespaces_available(unshare, self.as_root)
+        if isolation == "namespaces" and not has_ns:
+            raise RuntimeError("sandbox isolation 'namespaces' requested but `unshare` cannot create namespaces here; "
+                               "install util-linux or use isolation='auto'")
+        if self.drop_privileges and shutil.which("setpriv") is None and has_ns:
+            raise RuntimeError("running as root needs `setpriv` (util-linux) to drop privileges inside the sandbox")
+        self.isolation = "namespaces" if has_ns else "rlimits"
+        if self.isolation == "rlimits" and isolation == "auto":
+            logger.warning("sandbox: Linux namespaces unavailable; falling back to rlimits + audit hook (weaker isolation)")
+        interp_dir = os.path.realpath(self.python)
+        # Never hide the interpreter's own installation.
+        self.hidden_paths = tuple(p for p in hidden_paths if os.path.isdir(p) and not interp_dir.startswith(p.rstrip("/") + "/"))
+        self._unshare = unshare
+
+    def _preexec(self) -> None:
+        """Runs in the child before exec: resource limits (inherited by everything it starts)."""
+        lim = self.limits
+        mb = 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_time_s, lim.cpu_time_s + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (lim.memory_mb * mb, lim.memory_mb * mb))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (lim.file_size_mb * mb, lim.file_size_mb * mb))
+        resource.setrlimit(resource.RLIMIT_NPROC, (lim.max_processes, lim.max_processes))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lim.max_open_files, lim.max_open_files))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    def _namespace_argv(self) -> list[str]:
+        # Runs as (namespace) root first to set up mounts, then starts python as a child of the
+        # shell (not exec: PID 1 of a namespace ignores signals such as SIGXCPU).
+        setup = [f"mount -t tmpfs -o size={self.limits.disk_mb}m,mode=1777 tmpfs /tmp",
+                 "mount -t tmpfs -o size=1m,mode=1777 tmpfs /dev/shm 2>/dev/null || true"]
+        setup += [f"mount -t tmpfs -o size=16k,mode=755,ro tmpfs '{p}'" for p in self.hidden_paths]
+        drop = ""
+        if self.drop_privileges:
+            drop = (f"setpriv --reuid={NOBODY_UID} --regid={NOBODY_GID} --clear-groups --no-new-privs "
+                    "--inh-caps=-all --bounding-set=-all -- ")
+        script = " && ".join(setup) + f" && cd /tmp && {drop}'{self.python}' -I -"
+        return [self._unshare, *_unshare_flags(self.as_root), "--", "/bin/sh", "-c", script]
+
+    async def run(self, code: str) -> SandboxResult:
+        """Run `code` as a script; never raises for anything the code does."""
+        start = time.monotonic()
+        workdir = None
+        kwargs: dict = {}
+        if self.isolation == "namespaces":
+            argv, cwd, payload = self._namespace_argv(), "/", code
+        else:
+            workdir = tempfile.mkdtemp(prefix="polyturn-sandbox-")
+            argv, cwd, payload = [self.python, "-I", "-c", _AUDIT_PRELUDE], workdir, code
+            if self.drop_privileges:
+                os.chown(workdir, NOBODY_UID, NOBODY_GID)
+                kwargs = {"user": NOBODY_UID, "group": NOBODY_GID, "extra_groups": []}
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": cwd if workdir else "/tmp",
+               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                cwd=cwd, env=env, start_new_session=True, preexec_fn=self._preexec, **kwargs,
+            )
+        except OSError as exc:
+            if workdir:
+                shutil.rmtree(workdir, ignore_errors=True)
+            return SandboxResult("", f"could not start the sandbox: {exc}", None, False, False,
+                                 time.monotonic() - start, self.isolation, ["sandbox failed to start"])
+        max_bytes = self.limits.max_output_bytes
+        readers = asyncio.gather(_read_capped(proc.stdout, max_bytes), _read_capped(proc.stderr, max_bytes))
+        timed_out = False
+        try:
+            try:
+                proc.stdin.write(payload.encode())
+                await proc.stdin.drain()
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            finally:
+                proc.stdin.close()
+            try:
+                await asyncio.wait_for(proc.wait(), self.limits.wall_timeout_s)
+            except asyncio.TimeoutError:
+                timed_out = True
+        finally:
+            _kill_group(proc.pid)
+            await proc.wait()
+            if workdir:
+                shutil.rmtree(workdir, ignore_errors=True)
+        try:
+            # Processes that escaped the group could hold the pipes open: do not wait for them.
+            (out, out_cut), (err, err_cut) = await asyncio.wait_for(readers, 2.0)
+        except asyncio.TimeoutError:
+            (out, out_cut), (err, err_cut) = (b"", True), (b"", True)
+        exit_code = proc.returncode
+        if self.isolation == "namespaces" and exit_code is not None and exit_code > 128:
+            exit_code = 128 - exit_code  # the namespace's shell reports "killed by signal N" as 128 + N
+        result = SandboxResult(
+            stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace"),
+            exit_code=exit_code, timed_out=timed_out, truncated=out_cut or err_cut,
+            duration_s=time.monotonic() - start, isolation=self.isolation,
+        )
+        result.notes = self._notes(result)
+        return result
+
+    def _notes(self, r: SandboxResult) -> list[str]:
+        notes = []
+        if r.timed_out:
+            notes.append(f"timed out after {self.limits.wall_timeout_s:g}s; the process was killed")
+        sig = -r.exit_code if r.exit_code is not None and r.exit_code < 0 else None
+        if sig == signal.SIGXCPU or (sig == signal.SIGKILL and not r.timed_out):
+            notes.append(f"killed: CPU time limit of {self.limits.cpu_time_s}s exceeded")
+        if sig == signal.SIGXFSZ or "File too large" in r.stderr:
+            notes.append(f"file size limit of {self.limits.file_size_mb} MB exceeded")
+        if "MemoryError" in r.stderr:
+            notes.append(f"memory limit of {self.limits.memory_mb} MB exceeded")
+        if r.truncated:
+            notes.append(f"output truncated to {self.limits.max_output_bytes} bytes per stream")
+        return notes
+
+
+async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bool]:
+    """Read a stream to EOF, keeping the first `cap` bytes; True if more came."""
+    buf = bytearray()
+    truncated = False
+    while chunk := await stream.read(65536):
+        room = cap - len(buf)
+        if room > 0:
+            buf.extend(chunk[:room])
+        truncated = truncated or len(chunk) > room
+    return bytes(buf), truncated
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,525 @@
+"""The async multi-turn agent loop: trajectories over engines, tools and simulated users.
+
+Every trajectory is its own asyncio task. One turn: send the token ids so far to the
+trajectory's engine (least-loaded, then sticky: `EngineRouter`), append the returned ids
+with mask 1, parse tool calls with SGLang's parser (`ToolCallParser`), run the turn's calls
+concurrently, and append the tool messages as mask-0 tokens; when the model answers without
+a call and the sample has an interaction, the simulated user's reply is appended the same
+way. It stops on the model's own stop, on the interaction's say-so, or on a limit (assistant
+turns, user turns, response tokens, model context).
+
+Where it departs from the textbook "render the chat, tokenize, generate" loop:
+- The engine's ids are never re-tokenized. Tool and user messages become tokens by rendering
+  the chat template on a placeholder conversation plus the new messages and tokenizing only
+  the suffix after the placeholder (the "delta"), so the training sequence holds exactly
+  what the engine sampled plus exactly what the template would put around new messages.
+- At the end the whole chat is re-rendered from `messages` only to *check* it against the
+  ids; the first differing index is a metric (`rollout/drift/*`), never a rebuild.
+- `max_parallel_calls` limits how many calls of one turn run at once; unlike verl, calls
+  beyond it are queued, not dropped, so no call the model made goes unanswered.
+- Failures are data: malformed calls, tool errors and timeouts are tool messages to the
+  model and metrics; an interaction or engine failure ends that trajectory with finish
+  reason `error`; `abort()` ends all of them with `aborted`. Tools are always released and
+  interactions always finalized (`ToolRunner.session`, `InteractionRunner.session`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout.engines.base import GenerateResult, RolloutEngine
+from rollout.engines.router import EngineRouter
+from rollout.interactions.registry import InteractionRegistry
+from rollout.interactions.runner import InteractionRunner
+from rollout.tool_parser import SUPPORTED_FORMATS, MalformedCall, ParsedCall, ToolCallParser
+from rollout.tools.registry import ToolRegistry
+from rollout.trajectory import FinishReason, ToolCallRecord, Trajectory, TrajectoryStatus, collate
+
+logger = logging.getLogger(__name__)
+
+TRUNCATE_SIDES = ("left", "right", "middle")
+_PLACEHOLDER = "\u2063POLYTURN_ASSISTANT_PLACEHOLDER\u2063"  # never produced by a model; marks where the delta starts
+
+
+@dataclass
+class MultiTurnConfig:
+    """Multi-turn settings; names follow verl's `actor_rollout_ref.rollout.multi_turn.*`."""
+
+    max_assistant_turns: int = 5
+    """Most assistant (policy) turns per trajectory; a turn that wants to go on past it ends with `max_turns`."""
+    max_user_turns: int = 5
+    """Most simulated-user (interaction) turns per trajectory."""
+    max_parallel_calls: int = 1
+    """Tool calls of one turn running at once (the rest wait; none is dropped)."""
+    max_tool_response_length: int = 256
+    """Token budget of one tool response as the model sees it; longer responses are cut."""
+    tool_response_truncate_side: str = "middle"
+    """Which part of a long tool response is cut: "left" (keep the end), "right" (keep the start), "middle"."""
+    format: str = "qwen25"
+    """Tool-call format, a name known to SGLang's FunctionCallParser ("qwen25", "hermes", ...)."""
+    tool_config_path: str | None = None
+    """YAML of the tools (verl format); None: no tools."""
+    interaction_config_path: str | None = None
+    """YAML of the interactions (verl format); None: no interactions."""
+
+    def __post_init__(self) -> None:
+        for key in ("max_assistant_turns", "max_parallel_calls", "max_tool_response_length"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"multi_turn.{key} must be >= 1, got {getattr(self, key)}")
+        if self.max_user_turns < 0:
+            raise ValueError(f"multi_turn.max_user_turns must be >= 0, got {self.max_user_turns}")
+        if self.tool_response_truncate_side not in TRUNCATE_SIDES:
+            raise ValueError(
+                f"multi_turn.tool_response_truncate_side={self.tool_response_truncate_side!r}; use one of {TRUNCATE_SIDES}"
+            )
+        if self.format not in SUPPORTED_FORMATS:
+            raise ValueError(f"multi_turn.format={self.format!r} is not a SGLang tool-call parser; use one of {SUPPORTED_FORMATS}")
+
+
+@dataclass
+class AgentLoopConfig:
+    """Rollout settings; names follow verl's `actor_rollout_ref.rollout.*`."""
+
+    n: int = 1
+    """Samples per prompt (the GRPO group size)."""
+    response_length: int = 512
+    """Most response tokens per trajectory (sampled + tool + user + template tokens together)."""
+    max_model_len: int | None = None
+    """Most prompt + response tokens (the engine's context); None: only `response_length` limits."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables it."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn limits, tool-call format and plug-in configs."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.multi_turn, dict):
+            self.multi_turn = MultiTurnConfig(**self.multi_turn)
+        if self.n < 1:
+            raise ValueError(f"rollout.n must be >= 1, got {self.n}")
+        if self.response_length < 1:
+            raise ValueError(f"rollout.response_length must be >= 1, got {self.response_length}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"rollout.max_model_len must be >= 2 (or null), got {self.max_model_len}")
+        if self.temperature < 0:
+            raise ValueError(f"rollout.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class RolloutPrompt:
+    """One prompt to roll out `n` times; the fields of a verl data row the rollout needs."""
+
+    uid: str  # unique id of the prompt (the GRPO group id)
+    messages: list[dict[str, Any]]  # the chat so far (system / user messages)
+    tools_kwargs: dict[str, Any] = field(default_factory=dict)  # {tool: {create_kwargs, execute_kwargs, ...}}
+    interaction_kwargs: dict[str, Any] = field(default_factory=dict)  # {"name": interaction, ...}; empty: none
+    ground_truth: Any = None  # reward_model.ground_truth
+    extra_info: dict[str, Any] = field(default_factory=dict)  # the row's extra_info
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any], uid: str) -> RolloutPrompt:
+        """From a verl data row: `prompt`, `reward_model.ground_truth`, `extra_info.{tools,interaction}_kwargs`."""
+        if not isinstance(row.get("prompt"), list):
+            raise ValueError(f"data row {uid}: `prompt` must be a list of chat messages, got {type(row.get('prompt')).__name__}")
+        extra = dict(row.get("extra_info") or {})
+        return cls(
+            uid=uid,
+            messages=list(row["prompt"]),
+            tools_kwargs=dict(extra.get("tools_kwargs") or {}),
+            interaction_kwargs=dict(extra.get("interaction_kwargs") or {}),
+            ground_truth=(row.get("reward_model") or {}).get("ground_truth"),
+            extra_info=extra,
+        )
+
+
+@dataclass
+class RolloutOutput:
+    """What one `AgentLoop.generate` call returns."""
+
+    trajectories: list[Trajectory]  # every trajectory, in prompt order, `n` per prompt
+    batch: dict[str, Any]  # `collate` tensors: prompts, responses, input_ids, masks, position ids, log-probs
+    metadata: list[dict[str, Any]]  # `Trajectory.metadata()` per row of the batch
+    metrics: dict[str, float]  # "rollout/..." metrics of this call
+
+
+class ChatCodec:
+    """Chat-template rendering for the loop: prompts, mask-0 deltas, tool-output truncation, drift check."""
+
+    def __init__(self, tokenizer: Any, stop_token_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.stop_token_ids = set(stop_token_ids)
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, gen_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=gen_prompt, tokenize=False
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        """The prompt with the sample's own tool schemas and the generation prompt."""
+        return self.encode(self._render(messages, tools, gen_prompt=True))
+
+    def assistant_text(self, ids: list[int]) -> str:
+        """Text of engine ids for parsing and the message log (a trailing stop token dropped)."""
+        if ids and ids[-1] in self.stop_token_ids:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def delta_ids(self, new_messages: list[dict[str, Any]], after_stop_token: int | None) -> list[int]:
+        """Tokens the template puts after an assistant turn for `new_messages`, up to the next generation prompt.
+
+        Rendered on a placeholder conversation; the text after the placeholder's content is the
+        turn's closing plus the new messages plus `<|im_start|>assistant\\n`. When the engine
+        already sampled the stop token that closes the turn, its text is not repeated.
+        """
+        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PLACEHOLDER}]
+        text = self._render(base + new_messages, None, gen_prompt=True)
+        cut = text.index(_PLACEHOLDER) + len(_PLACEHOLDER)
+        delta = text[cut:]
+        if after_stop_token is not None:
+            stop_text = self.tokenizer.decode([after_stop_token], skip_special_tokens=False)
+            if stop_text and delta.startswith(stop_text):
+                delta = delta[len(stop_text):]
+        return self.encode(delta)
+
+    def truncate(self, text: str, max_tokens: int, side: str) -> tuple[str, bool]:
+        """Cut `text` to `max_tokens` tokens keeping the `side`-opposite part; returns (text, was_cut)."""
+        # Every token covers at least one character, so a pre-cut to a generous char window
+        # keeps tokenization cheap on megabyte outputs without changing the result's tokens much.
+        window = max_tokens * 32
+        if len(text) > 2 * window:
+            text = {"left": text[-window:], "right": text[:window], "middle": text[: window // 2] + text[-window // 2:]}[side]
+            cut = True
+        else:
+            cut = False
+        ids = self.encode(text)
+        if len(ids) <= max_tokens:
+            return text, cut
+        marker = "...(truncated)..."
+        keep = max(max_tokens - len(self.encode(marker)), 1)
+        if side == "left":
+            return marker + self.tokenizer.decode(ids[-keep:]), True
+        if side == "right":
+            return self.tokenizer.decode(ids[:keep]) + marker, True
+        head = keep // 2
+        return self.tokenizer.decode(ids[:head]) + marker + self.tokenizer.decode(ids[len(ids) - (keep - head):]), True
+
+    def drift_index(self, traj: Trajectory, tools: list[dict[str, Any]] | None) -> int | None:
+        """First index where the re-rendered chat's ids differ from the trajectory's; None when they agree.
+
+        A rendered tail made only of the closing of the last turn (stop text, whitespace) is not drift.
+        """
+        ends_with_assistant = bool(traj.messages) and traj.messages[-1]["role"] == "assistant"
+        rendered = self.encode(self._render(traj.messages, tools, gen_prompt=not ends_with_assistant))
+        ours = traj.prompt_ids + traj.response_ids
+        for i, (a, b) in enumerate(zip(ours, rendered)):
+            if a != b:
+                return i
+        if len(ours) > len(rendered):
+            return len(rendered)
+        tail = self.tokenizer.decode(rendered[len(ours):], skip_special_tokens=False)
+        for sid in self.stop_token_ids:
+            tail = tail.replace(self.tokenizer.decode([sid], skip_special_tokens=False), "")
+        return None if not tail.strip() else len(ours)
+
+
+class AgentLoop:
+    """Rolls out prompts on engines with tools and interactions; one instance per rollout worker."""
+
+    def __init__(
+        self,
+        engines: list[RolloutEngine] | EngineRouter,
+        tokenizer: Any,
+        config: AgentLoopConfig,
+        tools: ToolRegistry | None = None,
+        interactions: InteractionRegistry | None = None,
+    ):
+        self.router = engines if isinstance(engines, EngineRouter) else EngineRouter(list(engines))
+        self.config = config
+        self.tools = tools or ToolRegistry([])
+        self.interactions = interactions or InteractionRegistry([])
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos_token_id; set eos_token (e.g. <|im_end|>) in tokenizer_config.json")
+        self.codec = ChatCodec(tokenizer, [tokenizer.eos_token_id])
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self._parsers: dict[tuple[str, ...], ToolCallParser] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._aborted = False
+
+    @classmethod
+    def from_config(cls, engines: list[RolloutEngine] | EngineRouter, tokenizer: Any, config: AgentLoopConfig) -> AgentLoop:
+        """Build with the tools and interactions named in `config.multi_turn`."""
+        mt = config.multi_turn
+        return cls(
+            engines, tokenizer, config,
+            tools=ToolRegistry.from_config(mt.tool_config_path),
+            interactions=InteractionRegistry.from_config(mt.interaction_config_path),
+        )
+
+    # ---- public API --------------------------------------------------------------------
+
+    def validate(self, prompts: list[RolloutPrompt]) -> None:
+        """Refuse prompts naming unknown tools or interactions before anything runs."""
+        for p in prompts:
+            if not p.messages:
+                raise ValueError(f"prompt {p.uid}: no messages; each prompt needs at least one user message")
+            self.tools.validate_sample(p.tools_kwargs)
+            if p.interaction_kwargs:
+                self.interactions.validate_sample(p.interaction_kwargs)
+
+    async def generate(self, prompts: list[RolloutPrompt]) -> RolloutOutput:
+        """Roll out every prompt `n` times concurrently; returns the padded batch, metadata and metrics."""
+        self.validate(prompts)
+        self._aborted = False
+        start = time.monotonic()
+        trajs: list[Trajectory] = []
+        jobs = []
+        for p in prompts:
+            for k in range(self.config.n):
+                traj = self._new_trajectory(p, k)
+                trajs.append(traj)
+                jobs.append(self._run(traj))
+        self._tasks = {asyncio.ensure_future(j) for j in jobs}
+        try:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        finally:
+            self._tasks = set()
+        for t in trajs:  # tasks cancelled before they started never ran their body
+            if t.status is not TrajectoryStatus.DONE:
+                t.finish(FinishReason.ABORTED)
+        wall = time.monotonic() - start
+        return RolloutOutput(
+            trajectories=trajs,
+            batch=collate(trajs, self.pad_token_id),
+            metadata=[t.metadata() for t in trajs],
+            metrics=self._metrics(trajs, wall),
+        )
+
+    async def abort(self) -> None:
+        """Abort the running `generate`: every engine request and every tool / interaction task.
+
+        Trajectories end with finish reason `aborted`; tools are still released and interactions
+        finalized. `generate` then returns what was produced.
+        """
+        self._aborted = True
+        tasks = list(self._tasks)
+        await self.router.abort_all()
+        for task in tasks:
+            task.cancel()
+
+    # ---- one trajectory ----------------------------------------------------------------
+
+    def _new_trajectory(self, p: RolloutPrompt, k: int) -> Trajectory:
+        tool_names = self.tools.select(p.tools_kwargs)
+        schemas = self.tools.schemas(tool_names) if tool_names else None
+        return Trajectory(
+            uid=f"{p.uid}/{k}",
+            prompt_uid=p.uid,
+            sample_index=k,
+            prompt_ids=self.codec.prompt_ids(p.messages, schemas),
+            messages=[dict(m) for m in p.messages],
+            tool_names=tool_names,
+            tools_kwargs=dict(p.tools_kwargs),
+            interaction_kwargs=dict(p.interaction_kwargs),
+            ground_truth=p.ground_truth,
+            extra_info=dict(p.extra_info),
+        )
+
+    def _parser(self, tool_names: list[str]) -> ToolCallParser:
+        key = tuple(tool_names)
+        if key not in self._parsers:
+            schemas = [self.tools.runner(n).tool.get_openai_tool_schema() for n in tool_names]
+            self._parsers[key] = ToolCallParser(schemas, self.config.multi_turn.format)
+        return self._parsers[key]
+
+    async def _run(self, traj: Trajectory) -> Trajectory:
+        """Run one trajectory to its end; never raises (cancellation ends it as aborted)."""
+        try:
+            async with AsyncExitStack() as stack:
+                instances: dict[str, str] = {}
+                for name in traj.tool_names:
+                    kw = traj.tools_kwargs.get(name) or {}
+                    runner = self.tools.runner(name)
+                    instances[name] = await stack.enter_async_context(
+                        runner.session(None, kw.get("create_kwargs") or {}, kw.get("release_kwargs") or {})
+                    )
+                interaction: tuple[InteractionRunner, str] | None = None
+                if traj.interaction_kwargs:
+                    runner_i = self.interactions.route(traj.interaction_kwargs)
+                    iid = await stack.enter_async_context(runner_i.session(None, **traj.interaction_kwargs))
+                    interaction = (runner_i, iid)
+                await self._turns(traj, instances, interaction)
+        except asyncio.CancelledError:
+            traj.finish(FinishReason.ABORTED)
+        except Exception as exc:  # noqa: BLE001 - one broken trajectory must not end the run
+            logger.exception("trajectory %s failed", traj.uid)
+            traj.finish(FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.router.release(traj.uid)
+        if traj.status is not TrajectoryStatus.DONE:
+            traj.finish(FinishReason.ERROR, "the loop ended without a finish reason")
+        schemas = self.tools.schemas(traj.tool_names) if traj.tool_names else None
+        traj.drift_index = self.codec.drift_index(traj, schemas)
+        return traj
+
+    def _budget(self, traj: Trajectory) -> int:
+        left = self.config.response_length - len(traj.response_ids)
+        if self.config.max_model_len is not None:
+            left = min(left, self.config.max_model_len - traj.total_length)
+        return left
+
+    async def _turns(self, traj: Trajectory, instances: dict[str, str], interaction: tuple[InteractionRunner, str] | None) -> None:
+        mt = self.config.multi_turn
+        parser = self._parser(traj.tool_names) if traj.tool_names else None
+        while True:
+            if self._aborted:
+                return traj.finish(FinishReason.ABORTED)
+            budget = self._budget(traj)
+            if budget <= 0:
+                return traj.finish(FinishReason.LENGTH)
+            traj.set_status(TrajectoryStatus.GENERATING)
+            res = await self._generate(traj, budget)
+            traj.append_assistant(res.output_ids, res.output_logprobs, res.weight_version)
+            text = self.codec.assistant_text(res.output_ids)
+            traj.messages.append({"role": "assistant", "content": text})
+            if res.finish_reason == "abort":
+                return traj.finish(FinishReason.ABORTED)
+            if res.finish_reason == "length":
+                return traj.finish(FinishReason.LENGTH)
+            stop_id = res.output_ids[-1] if res.output_ids and res.output_ids[-1] in self.codec.stop_token_ids else None
+            parsed = parser.parse(text) if parser is not None else None
+            if parsed is not None and parsed.has_calls:
+                if traj.num_assistant_turns >= mt.max_assistant_turns:
+                    return traj.finish(FinishReason.MAX_TURNS)
+                traj.set_status(TrajectoryStatus.TOOL_CALLING)
+                new_messages = await self._run_calls(traj, parsed.calls, instances)
+            elif interaction is not None:
+                traj.set_status(TrajectoryStatus.INTERACTING)
+                t0 = time.monotonic()
+                runner, iid = interaction
+                turn = await runner.respond(iid, list(traj.messages), **traj.interaction_kwargs)
+                traj.interaction_time_s += time.monotonic() - t0
+                traj.interaction_scores.append(turn.score)
+                if turn.error is not None:
+                    return traj.finish(FinishReason.ERROR, f"interaction {runner.name!r}: {turn.error}")
+                if turn.should_terminate:
+                    return traj.finish(FinishReason.STOP)
+                if traj.num_user_turns >= mt.max_user_turns or traj.num_assistant_turns >= mt.max_assistant_turns:
+                    return traj.finish(FinishReason.MAX_TURNS)
+                traj.num_user_turns += 1
+                new_messages = [{"role": "user", "content": turn.text}]
+            else:
+                return traj.finish(FinishReason.STOP)
+            delta = self.codec.delta_ids(new_messages, stop_id)
+            if len(delta) >= self._budget(traj):  # no room for the context and one more sampled token
+                traj.messages.extend(new_messages)
+                return traj.finish(FinishReason.LENGTH)
+            traj.append_context(delta, role=new_messages[0]["role"])
+            traj.messages.extend(new_messages)
+
+    async def _generate(self, traj: Trajectory, budget: int) -> GenerateResult:
+        params = {
+            "temperature": self.config.temperature,
+            "top_p": self.config.top_p,
+            "top_k": self.config.top_k,
+            "max_new_tokens": budget,
+            "stop_token_ids": sorted(self.codec.stop_token_ids),
+        }
+        request_id = f"{traj.uid}#{traj.num_assistant_turns}"
+        t0 = time.monotonic()
+        try:
+            res = await self.router.generate(traj.uid, traj.prompt_ids + traj.response_ids, params, request_id)
+        finally:
+            traj.generation_time_s += time.monotonic() - t0
+        if len(res.output_ids) > budget:
+            raise RuntimeError(
+                f"engine returned {len(res.output_ids)} tokens for max_new_tokens={budget} (request {request_id}); "
+                "the engine must honour max_new_tokens"
+            )
+        return res
+
+    async def _run_calls(
+        self, traj: Trajectory, calls: list[ParsedCall | MalformedCall], instances: dict[str, str]
+    ) -> list[dict[str, Any]]:
+        """Run one turn's calls (at most `max_parallel_calls` at once); returns the tool messages in call order."""
+        mt = self.config.multi_turn
+        gate = asyncio.Semaphore(mt.max_parallel_calls)
+        turn = traj.num_assistant_turns - 1
+
+        async def one(call: ParsedCall | MalformedCall) -> ToolCallRecord:
+            if isinstance(call, MalformedCall):
+                return ToolCallRecord(turn=turn, name=call.name, arguments=None, raw=call.raw,
+                                      result=call.message, error=call.kind)
+            kw = (traj.tools_kwargs.get(call.name) or {}).get("execute_kwargs") or {}
+            async with gate:
+                r = await self.tools.runner(call.name).execute(instances[call.name], call.arguments, **kw)
+            error = None if r.error is None else ("timeout" if r.timed_out else "exception")
+            return ToolCallRecord(turn=turn, name=call.name, arguments=call.arguments, raw=call.raw, result=r.text,
+                                  error=error, step_reward=r.step_reward, latency_s=r.latency_s,
+                                  truncated=r.truncated, metrics=r.metrics)
+
+        t0 = time.monotonic()
+        try:
+            records = await asyncio.gather(*(one(c) for c in calls))
+        finally:
+            traj.tool_time_s += time.monotonic() - t0
+        messages = []
+        for rec in records:
+            rec.result, cut = self.codec.truncate(rec.result, mt.max_tool_response_length, mt.tool_response_truncate_side)
+            rec.truncated = rec.truncated or cut
+            traj.tool_calls.append(rec)
+            messages.append({"role": "tool", "content": rec.result})
+        return messages
+
+    # ---- metrics -----------------------------------------------------------------------
+
+    def _metrics(self, trajs: list[Trajectory], wall_s: float) -> dict[str, float]:
+        m: dict[str, float] = {"rollout/num_trajectories": float(len(trajs)), "rollout/wall_s": wall_s}
+        reasons = Counter(t.finish_reason.value for t in trajs if t.finish_reason is not None)
+        for r in FinishReason:
+            m[f"rollout/finish/{r.value}"] = float(reasons.get(r.value, 0))
+        n = max(len(trajs), 1)
+        sampled = sum(sum(t.response_mask) for t in trajs)
+        m["rollout/turns/assistant_mean"] = sum(t.num_assistant_turns for t in trajs) / n
+        m["rollout/turns/assistant_max"] = float(max((t.num_assistant_turns for t in trajs), default=0))
+        m["rollout/turns/user_mean"] = sum(t.num_user_turns for t in trajs) / n
+        m["rollout/response_length/mean"] = sum(len(t.response_ids) for t in trajs) / n
+        m["rollout/response_length/max"] = float(max((len(t.response_ids) for t in trajs), default=0))
+        m["rollout/sampled_tokens"] = float(sampled)
+        m["perf/rollout_tokens_per_s"] = sampled / wall_s if wall_s > 0 else 0.0
+        m["timing/rollout_generation_s"] = sum(t.generation_time_s for t in trajs)
+        m["timing/rollout_tool_s"] = sum(t.tool_time_s for t in trajs)
+        m["timing/rollout_interaction_s"] = sum(t.interaction_time_s for t in trajs)
+        calls = [c for t in trajs for c in t.tool_calls]
+        m["rollout/tool/calls"] = float(len(calls))
+        m["rollout/tool/truncations"] = float(sum(c.truncated for c in calls))
+        per_tool = Counter(c.name for c in calls if c.name is not None)
+        per_tool_errors = Counter(c.name for c in calls if c.name is not None and c.error is not None)
+        for name in set(per_tool) | set(self.tools.names):
+            m[f"rollout/tool/{name}/calls"] = float(per_tool.get(name, 0))
+            m[f"rollout/tool/{name}/errors"] = float(per_tool_errors.get(name, 0))
+        for kind, count in Counter(c.error for c in calls if c.error is not None).items():
+            m[f"rollout/tool/errors/{kind}"] = float(count)
+        m["rollout/tool/reward_mean"] = sum(t.tool_reward for t in trajs) / n
+        scores = [s for t in trajs for s in t.interaction_scores]
+        m["rollout/interaction/score_mean"] = sum(scores) / len(scores) if scores else 0.0
+        drifted = [t.drift_index for t in trajs if t.drift_index is not None]
+        m["rollout/drift/count"] = float(len(drifted))
+        m["rollout/drift/first_index_min"] = float(min(drifted)) if drifted else -1.0
+        for name, (created, released) in self.tools.counts().items():
+            m[f"rollout/tool/{name}/instances_live"] = float(created - released)
+        for name, (started, finalized) in self.interactions.counts().items():
+            m[f"rollout/interaction/{name}/instances_live"] = float(started - finalized)
+        return m

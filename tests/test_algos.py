@@ -135,7 +135,8 @@ def test_grpo_group_normalised_and_singletons_zero():
     assert torch.equal(adv, ret)
 
     cfg = AlgorithmConfig(adv_estimator="grpo", norm_adv_by_std_in_grpo=False)
-    adv, _ = compute_advantage(AdvantageInputs(rewards, mask, index=index), cfg)
+    uids = np.array(index, dtype=object)  # verl passes the uid column as a numpy object array
+    adv, _ = compute_advantage(AdvantageInputs(rewards, mask, index=uids), cfg)
     expected[:3] = torch.tensor(scores_a - scores_a.mean(), dtype=torch.float32)
     assert torch.allclose(adv, expected.unsqueeze(-1) * mask, atol=1e-6)
 

@@ -170,10 +170,9 @@ def grpo(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]
     _check_inputs(inputs, needs="index")
     scores = _outcome_scores(inputs)  # (B,)
     count, total, std = _group_stats(scores, _group_ids(inputs.index, scores.device))
-    adv = scores - total / count
+    adv = scores - total / count  # a singleton is its own mean: 0
     if cfg.norm_adv_by_std_in_grpo:
         adv = adv / (std + cfg.epsilon)
-    adv = torch.where(count > 1, adv, 0.0)
     adv = adv.unsqueeze(-1) * inputs.response_mask  # (B, T)
     return adv, adv
 
@@ -183,7 +182,7 @@ def rloo(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]
     _check_inputs(inputs, needs="index")
     scores = _outcome_scores(inputs)  # (B,)
     count, total, _ = _group_stats(scores, _group_ids(inputs.index, scores.device))
-    adv = torch.where(count > 1, scores - (total - scores) / (count - 1).clamp(min=1), 0.0)
+    adv = torch.where(count > 1, scores - (total - scores) / (count - 1).clamp(min=1), 0.0)  # singleton: 0
     adv = adv.unsqueeze(-1) * inputs.response_mask  # (B, T)
     return adv, adv
 
@@ -202,7 +201,7 @@ def reinforce_plus_plus_baseline(inputs: AdvantageInputs, cfg: AlgorithmConfig) 
     _check_inputs(inputs, needs="index")
     scores = _outcome_scores(inputs)  # (B,)
     count, total, _ = _group_stats(scores, _group_ids(inputs.index, scores.device))
-    centred = torch.where(count > 1, scores - total / count, 0.0)
+    centred = scores - total / count  # a singleton is its own mean: 0
     mask = inputs.response_mask
     tokens = centred.unsqueeze(-1) * mask  # (B, T)
     adv = masked_whiten(tokens, mask) * mask

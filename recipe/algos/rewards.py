@@ -15,6 +15,7 @@ reward there would be lost. Several rewards on the same token add up.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -87,7 +88,7 @@ def place_token_rewards(
                         f"{kind} reward of sample {i} sits at token {index}, outside its response "
                         f"(0..{t - 1}); pass response-relative turn-end indices"
                     )
-                if not torch.isfinite(torch.tensor(float(value))):
+                if not math.isfinite(value):
                     raise ValueError(f"{kind} reward of sample {i} at token {index} is {value}; rewards must be finite")
                 target = int(prev_sampled[i, index])
                 if target < 0:

@@ -39,11 +39,11 @@ def check_finite(name: str, x: Tensor, mask: Tensor | None = None, where: str = 
     bad_rows = bad if bad.dim() == 1 else bad.any(dim=-1)  # (B,)
     row = int(torch.nonzero(bad_rows)[0, 0])
     if x.dim() == 1:
-        raise ValueError(f"{name} of {where} {row} is {x[row].item()}; rewards and advantages must be finite")
+        raise ValueError(f"{name} of {where} {row} is {x[row].item()}; it must be finite (check what produced it)")
     col = int(torch.nonzero(bad[row])[0, 0])
     raise ValueError(
         f"{name} of {where} {row} is {x[row, col].item()} at token {col}; "
-        f"rewards and advantages must be finite (check the reward function for that {where})"
+        f"it must be finite (check what produced it for that {where})"
     )
 
 

@@ -1,0 +1,461 @@
+"""Tool plug-in contract, YAML registry errors, runner limits and faults, and the GSM8K tool."""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rollout.tools import (
+    BaseTool,
+    OpenAIFunctionCallSchema,
+    OpenAIFunctionToolSchema,
+    ToolConfigError,
+    ToolRegistry,
+    ToolResponse,
+    ToolRunner,
+)
+from rollout.tools.gsm8k_tool import extract_gsm8k_answer, gsm8k_score
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A tool as a user would write it in their own package, against the documented signature only.
+USER_TOOL_MODULE = '''
+import asyncio
+from rollout.tools import BaseTool, ToolResponse
+
+EVENTS = []
+
+class CounterTool(BaseTool):
+    """Adds to a per-instance counter; the step reward is the increment."""
+
+    def __init__(self, config, tool_schema):
+        super().__init__(config, tool_schema)
+        self.state = {}
+
+    async def create(self, instance_id=None, start=0, **kwargs):
+        instance_id, _ = await super().create(instance_id)
+        self.state[instance_id] = start
+        EVENTS.append(("create", instance_id))
+        return instance_id, ToolResponse(text="ready")
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        self.state[instance_id] += parameters["by"]
+        return f"total={self.state[instance_id]}", float(parameters["by"]), {"total": self.state[instance_id]}
+
+    async def calc_reward(self, instance_id, **kwargs):
+        return float(self.state[instance_id])
+
+    async def release(self, instance_id, **kwargs):
+        EVENTS.append(("release", instance_id))
+        del self.state[instance_id]
+
+
+class OldStyleTool(BaseTool):
+    """verl <= 0.4: create returns just the id, execute returns a str."""
+
+    async def create(self, instance_id=None, **kwargs):
+        return instance_id or "old-1"
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        return "ok", 0.0, {}
+
+
+class NotATool:
+    pass
+'''
+
+COUNTER_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "counter",
+        "description": "Add to a counter.",
+        "parameters": {
+            "type": "object",
+            "properties": {"by": {"type": "integer", "description": "amount"}},
+            "required": ["by"],
+        },
+    },
+}
+
+
+@pytest.fixture
+def user_package(tmp_path, monkeypatch):
+    """A user's own module `user_tools` importable by dotted path, as a YAML would name it."""
+    (tmp_path / "user_tools.py").write_text(USER_TOOL_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+    import sys
+
+    sys.modules.pop("user_tools", None)
+    return importlib.import_module("user_tools")
+
+
+def write_yaml(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "tools.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def schema(name: str, properties: dict | None = None, required: list[str] | None = None) -> dict:
+    return {"type": "function", "function": {"name": name, "description": f"{name} tool", "parameters": {
+        "type": "object", "properties": properties or {}, "required": required or []}}}
+
+
+class ScriptedTool(BaseTool):
+    """Test tool whose execute behaviour is set per instance of the class."""
+
+    def __init__(self, config, tool_schema, behaviour=None):
+        super().__init__(config, tool_schema)
+        self.behaviour = behaviour
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.starts: list[float] = []
+        self.cancelled = 0
+        self.calls = 0
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        self.calls += 1
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        self.starts.append(time.monotonic())
+        try:
+            return await self.behaviour(parameters)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.in_flight -= 1
+
+
+def scripted(behaviour, **config) -> ToolRunner:
+    tool = ScriptedTool(config, OpenAIFunctionToolSchema.from_dict(schema("t", {"x": {"type": "integer"}})), behaviour)
+    return ToolRunner(tool)
+
+
+# ---------------------------------------------------------------- contract
+
+
+@pytest.mark.unit
+def test_user_tool_loads_from_yaml_and_runs_full_lifecycle(tmp_path, user_package):
+    """Contract: a tool written against the documented BaseTool signature works via the YAML registry:
+    create (with create_kwargs) -> execute (response, step reward, metrics) -> calc_reward -> release."""
+    path = write_yaml(tmp_path, {"tools": [{"class_name": "user_tools.CounterTool", "config": {"timeout_s": 5},
+                                            "tool_schema": COUNTER_SCHEMA}]})
+    registry = ToolRegistry.from_config(path)
+    assert registry.names == ["counter"]
+    assert registry.schemas() == [COUNTER_SCHEMA]
+    runner = registry.runner("counter")
+
+    async def trajectory():
+        async with runner.session(create_kwargs={"start": 10}) as iid:
+            first = await runner.execute(iid, {"by": 2})
+            second = await runner.execute(iid, {"by": 3})
+            reward = await runner.calc_reward(iid)
+        return iid, first, second, reward
+
+    iid, first, second, reward = asyncio.run(trajectory())
+    assert (first.text, first.step_reward, first.metrics) == ("total=12", 2.0, {"total": 12})
+    assert (second.text, second.step_reward, second.error) == ("total=15", 3.0, None)
+    assert reward == 15.0
+    assert user_package.EVENTS == [("create", iid), ("release", iid)]
+    assert registry.counts() == {"counter": (1, 1)}
+
+
+@pytest.mark.unit
+def test_old_style_tool_return_shapes_are_accepted(tmp_path, user_package):
+    """Contract: verl <= 0.4 tools (create returns the id, execute returns a str) still run."""
+    registry = ToolRegistry.from_config({"tools": [{"class_name": "user_tools.OldStyleTool", "tool_schema": schema("old")}]})
+    runner = registry.runner("old")
+
+    async def go():
+        async with runner.session() as iid:
+            return iid, await runner.execute(iid, {})
+
+    iid, result = asyncio.run(go())
+    assert iid == "old-1" and result.text == "ok" and result.response == ToolResponse(text="ok")
+
+
+@pytest.mark.unit
+def test_per_sample_tool_selection_by_tools_kwargs():
+    """Contract: a sample's tools_kwargs keys choose its tools; none -> all; an unknown tool is refused
+    naming the registered ones (so bad data fails at validation)."""
+    registry = ToolRegistry.from_config(REPO / "tool_configs" / "gsm8k_tool_config.yaml")
+    assert registry.select(None) == ["calc_gsm8k_reward"]
+    assert registry.select({"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "3"}}}) == ["calc_gsm8k_reward"]
+    with pytest.raises(ToolConfigError, match=r"unknown tools \['search'\].*calc_gsm8k_reward"):
+        registry.validate_sample({"search": {}})
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", ["gsm8k_tool_config.yaml", "python_tool_config.yaml"])
+def test_shipped_tool_configs_load(name):
+    """The YAML files the recipes use load, with schemas the chat template can render."""
+    registry = ToolRegistry.from_config(REPO / "tool_configs" / name)
+    for entry in registry.schemas():
+        assert entry["type"] == "function" and entry["function"]["parameters"]["type"] == "object"
+
+
+# ---------------------------------------------------------------- schemas
+
+
+@pytest.mark.unit
+def test_argument_validation_names_the_bad_argument():
+    """Arguments that do not fit the schema are reported per argument (missing, wrong type, not in enum)."""
+    s = OpenAIFunctionToolSchema.from_dict(schema(
+        "convert", {"value": {"type": "number"}, "unit": {"type": "string", "enum": ["C", "F"]}}, ["value", "unit"]))
+    assert s.validate_arguments({"value": 3, "unit": "C"}) == []
+    assert s.validate_arguments({"unit": "C"}) == ["arguments: 'value' is a required property"]
+    assert s.validate_arguments({"value": "3", "unit": "K"}) == [
+        "unit: 'K' is not one of ['C', 'F']", "value: '3' is not of type 'number'"]
+    assert s.validate_arguments([1, 2]) == ["arguments: [1, 2] is not of type 'object'"]
+
+
+@pytest.mark.unit
+def test_function_call_decoding_reports_bad_json():
+    """A call whose arguments are not a JSON object is decoded to {} plus an error, never an exception."""
+    assert OpenAIFunctionCallSchema.from_raw("f", '{"a": 1}') == (OpenAIFunctionCallSchema("f", {"a": 1}), None)
+    call, err = OpenAIFunctionCallSchema.from_raw("f", '{"a": ')
+    assert call.arguments == {} and "not valid JSON" in err
+    call, err = OpenAIFunctionCallSchema.from_raw("f", "[1]")
+    assert call.arguments == {} and "JSON object" in err
+
+
+# ---------------------------------------------------------------- YAML errors
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"class_name": "no_such_module.Tool", "tool_schema": schema("a")}, r"tools\[1\]\.class_name: cannot import module 'no_such_module'"),
+        ({"class_name": "user_tools.Missing", "tool_schema": schema("a")}, r"tools\[1\]\.class_name: module 'user_tools' has no attribute 'Missing'"),
+        ({"class_name": "user_tools.NotATool", "tool_schema": schema("a")}, r"tools\[1\]\.class_name: user_tools\.NotATool is not a subclass of rollout\.tools\.base\.BaseTool"),
+        ({"class_name": "CounterTool", "tool_schema": schema("a")}, r"tools\[1\]\.class_name: expected a dotted path"),
+        ({"class_name": "user_tools.CounterTool"}, r"tools\[1\]: building CounterTool failed: .*needs a `tool_schema`"),
+        ({"class_name": "user_tools.CounterTool", "tool_schema": {"type": "function", "function": {"description": "x"}}},
+         r"tools\[1\]\.tool_schema\.function\.name: must be a non-empty string"),
+        ({"class_name": "user_tools.CounterTool", "tool_schema": {"type": "function", "function": {
+            "name": "a", "parameters": {"type": "array"}}}}, r"tools\[1\]\.tool_schema\.function\.parameters\.type: must be 'object'"),
+        ({"class_name": "user_tools.CounterTool", "tool_schema": schema("a", {"x": {"type": "str"}})},
+         r"tools\[1\]\.tool_schema\.function\.parameters.*properties\.x\.type"),
+        ({"class_name": "user_tools.CounterTool", "tool_schema": schema("a", {"x": {"type": "string"}}, ["y"])},
+         r"'y' is required but not listed in properties"),
+        ({"class_name": "user_tools.CounterTool", "tool_schema": schema("counter")}, r"two tools are named 'counter'"),
+        ({"class_name": "user_tools.CounterTool", "tool_schema": schema("a"), "cfg": {}}, r"tools\[1\]: unknown keys \['cfg'\]"),
+        ({"class_name": "user_tools.CounterTool", "tool_schema": schema("a"), "config": {"timeout_s": 0}},
+         r"tools\[1\]: tool 'a': config\.timeout_s must be > 0"),
+    ],
+)
+def test_bad_yaml_entries_are_refused_at_load_naming_the_entry(tmp_path, user_package, entry, message):
+    """YAML errors fail at load with the file, the entry index and what to fix — never mid-rollout."""
+    good = {"class_name": "user_tools.CounterTool", "tool_schema": COUNTER_SCHEMA}
+    path = write_yaml(tmp_path, {"tools": [good, entry]})
+    with pytest.raises(ToolConfigError, match=message) as info:
+        ToolRegistry.from_config(path)
+    if "two tools" not in message:
+        assert str(path) in str(info.value)
+
+
+@pytest.mark.unit
+def test_missing_file_and_missing_list_are_refused(tmp_path):
+    """A wrong path or a file without `tools:` names the file and the expected key."""
+    with pytest.raises(ToolConfigError, match="does not exist"):
+        ToolRegistry.from_config(tmp_path / "nope.yaml")
+    path = tmp_path / "t.yaml"
+    path.write_text("tool:\n  - class_name: x.Y\n")
+    with pytest.raises(ToolConfigError, match="expected a top-level 'tools:' list"):
+        ToolRegistry.from_config(path)
+
+
+# ---------------------------------------------------------------- runner faults and limits
+
+
+@pytest.mark.unit
+def test_tool_that_raises_becomes_an_error_response_and_later_calls_work():
+    """Fault: an exception inside a tool is returned to the model as text with `error` set; the runner goes on."""
+    async def behaviour(params):
+        if params["x"] == 0:
+            raise ZeroDivisionError("division by zero")
+        return str(10 // params["x"]), 1.0, {}
+
+    runner = scripted(behaviour)
+
+    async def go():
+        return await runner.execute("i", {"x": 0}), await runner.execute("i", {"x": 5})
+
+    bad, good = asyncio.run(go())
+    assert bad.error == "ZeroDivisionError: division by zero" and "ZeroDivisionError" in bad.text
+    assert bad.step_reward == 0.0 and not bad.timed_out
+    assert (good.text, good.step_reward, good.error) == ("2", 1.0, None)
+
+
+@pytest.mark.unit
+def test_hung_tool_is_cancelled_at_its_timeout():
+    """Fault: a call running past `timeout_s` is cancelled (the tool sees CancelledError) and reported as a timeout."""
+    async def behaviour(params):
+        await asyncio.sleep(60)
+        return "never", 0.0, {}
+
+    runner = scripted(behaviour, timeout_s=0.2)
+    result = asyncio.run(runner.execute("i", {"x": 1}))
+    assert result.timed_out and result.error == "timeout"
+    assert "timed out after 0.2s" in result.text
+    assert runner.tool.cancelled == 1 and runner.tool.in_flight == 0
+
+
+@pytest.mark.unit
+def test_oversized_response_is_truncated_with_a_marker():
+    """Fault: a 1 MB response is cut to `max_response_chars`, says how much was dropped, and is flagged."""
+    async def behaviour(params):
+        return "a" * 1_000_000, 0.5, {}
+
+    runner = scripted(behaviour, max_response_chars=1000)
+    result = asyncio.run(runner.execute("i", {"x": 1}))
+    assert result.truncated and result.text.startswith("a" * 1000)
+    assert result.text.endswith("[truncated 999000 chars]") and len(result.text) < 1100
+    assert result.step_reward == 0.5 and result.response.text == result.text
+
+
+@pytest.mark.unit
+def test_invalid_arguments_never_reach_the_tool():
+    """Arguments that do not fit the schema give an error response naming the argument; the tool is not called."""
+    async def behaviour(params):
+        return "ran", 0.0, {}
+
+    runner = scripted(behaviour)
+    result = asyncio.run(runner.execute("i", {"x": "seven"}))
+    assert result.error.startswith("invalid_arguments") and "x: 'seven' is not of type 'integer'" in result.text
+    assert runner.tool.calls == 0
+
+
+@pytest.mark.unit
+def test_bad_return_shape_is_reported_not_raised():
+    """A tool whose execute returns the wrong shape gives an error response naming the expected shape."""
+    async def behaviour(params):
+        return "just a string"
+
+    result = asyncio.run(scripted(behaviour).execute("i", {"x": 1}))
+    assert result.error and "must return (response, step_reward, metrics)" in result.text
+
+
+@pytest.mark.unit
+def test_max_concurrency_bounds_calls_in_flight():
+    """Per-tool `max_concurrency`: never more calls inside the tool at once, however many trajectories call it."""
+    async def behaviour(params):
+        await asyncio.sleep(0.02)
+        return "ok", 0.0, {}
+
+    runner = scripted(behaviour, max_concurrency=3)
+
+    async def go():
+        return await asyncio.gather(*(runner.execute(f"i{k}", {"x": k}) for k in range(12)))
+
+    results = asyncio.run(go())
+    assert all(r.error is None for r in results)
+    assert runner.tool.max_in_flight == 3
+
+
+@pytest.mark.unit
+def test_rate_limit_spaces_call_starts():
+    """Per-tool `rate_limit` (calls/s): five calls issued at once are spread over >= 4/rate seconds
+    (checked with one interval of slack for event-loop wake-up jitter)."""
+    async def behaviour(params):
+        return "ok", 0.0, {}
+
+    runner = scripted(behaviour, rate_limit=20.0)
+
+    async def go():
+        await asyncio.gather(*(runner.execute("i", {"x": k}) for k in range(5)))
+
+    asyncio.run(go())
+    starts = runner.tool.starts
+    assert len(starts) == 5 and starts[-1] - starts[0] >= 3 * 0.05
+
+
+@pytest.mark.unit
+def test_release_is_called_when_the_trajectory_is_cancelled(tmp_path, user_package):
+    """`release` is guaranteed: a trajectory cancelled mid-call (rollout abort) still releases its instance."""
+    registry = ToolRegistry.from_config({"tools": [{"class_name": "user_tools.CounterTool", "tool_schema": COUNTER_SCHEMA}]})
+    runner = registry.runner("counter")
+    started = asyncio.Event()
+
+    async def trajectory():
+        async with runner.session() as iid:
+            started.set()
+            await asyncio.sleep(60)
+            return iid
+
+    async def go():
+        tasks = [asyncio.create_task(trajectory()) for _ in range(4)]
+        await started.wait()
+        await asyncio.sleep(0.01)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0.01)
+
+    asyncio.run(go())
+    assert registry.counts() == {"counter": (4, 4)}
+    assert runner.live_instances == set()
+    assert [e for e, _ in user_package.EVENTS].count("release") == 4
+
+
+# ---------------------------------------------------------------- gsm8k
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "text, method, expected",
+    [
+        ("so 3 + 4 = 7\n#### 7", "strict", "7"),
+        ("#### 1,000", "strict", "1000"),
+        ("#### $18.00", "strict", "18"),
+        ("#### -3", "strict", "-3"),
+        ("The answer is 42.", "strict", None),
+        ("The answer is 42.", "flexible", "42"),
+        ("first 3, then 1,250.5 apples.", "flexible", "1250.5"),
+        ("#### 5 and later #### 6", "strict", "6"),
+        ("no numbers here", "flexible", None),
+    ],
+)
+def test_gsm8k_answer_extraction(text, method, expected):
+    """The shared extraction (used by the tool, the interactions and the reward scorer) finds the final number."""
+    assert extract_gsm8k_answer(text, method) == expected
+
+
+@pytest.mark.unit
+def test_gsm8k_score_semantics():
+    """verl semantics: correct -> score, parsed but wrong -> format_score, nothing parsed -> 0; numbers by value."""
+    assert gsm8k_score("#### 72", "72") == 1.0
+    assert gsm8k_score("#### 72.0", "72") == 1.0
+    assert gsm8k_score("#### 71", "72", format_score=0.1) == 0.1
+    assert gsm8k_score("seventy-two", "72", format_score=0.1) == 0.0
+    with pytest.raises(ValueError, match="ground truth 'abc' is not a number"):
+        gsm8k_score("#### 1", "abc")
+
+
+@pytest.mark.unit
+def test_gsm8k_tool_feedback_and_rewards():
+    """The GSM8K tool: wrong answer -> reward 0 and a -0.05 step penalty; correct -> reward 1, step 0;
+    calc_reward is the best score; a missing ground truth is refused at create naming the kwarg."""
+    registry = ToolRegistry.from_config(REPO / "tool_configs" / "gsm8k_tool_config.yaml")
+    runner = registry.runner("calc_gsm8k_reward")
+
+    async def go():
+        async with runner.session(create_kwargs={"ground_truth": "72"}) as iid:
+            wrong = await runner.execute(iid, {"answer": "70"})
+            right = await runner.execute(iid, {"answer": "72"})
+            again = await runner.execute(iid, {"answer": "72"})
+            return wrong, right, again, await runner.calc_reward(iid)
+
+    wrong, right, again, reward = asyncio.run(go())
+    assert wrong.text == "Current parsed answer=70 reward=0.0" and wrong.step_reward == -0.05
+    assert right.text == "Current parsed answer=72 reward=1.0" and right.step_reward == 0.0
+    assert again.step_reward == -0.05 and reward == 1.0
+    with pytest.raises(ValueError, match="create_kwargs.ground_truth"):
+        asyncio.run(runner.create())
+    assert registry.counts() == {"calc_gsm8k_reward": (1, 1)}
+

@@ -1,0 +1,237 @@
+"""Python sandbox containment: hostile code is contained and reported as a tool response, the host is unharmed.
+
+Every test runs through the real `python` tool behind its `ToolRunner` (as the agent loop calls it),
+in each isolation mode this machine supports: "namespaces" (unshare + privilege drop) and the
+"rlimits" fallback used where namespaces are unavailable.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rollout.tools import ToolRegistry
+from rollout.tools.sandbox import NOBODY_UID, namespaces_available
+
+AS_ROOT = os.geteuid() == 0
+MODES = [
+    pytest.param("namespaces", marks=pytest.mark.skipif(
+        not namespaces_available(shutil.which("unshare"), AS_ROOT), reason="unshare cannot create namespaces here")),
+    "rlimits",
+]
+
+
+def python_runner(isolation: str, **overrides):
+    config = {"isolation": isolation, "timeout_s": 6, "cpu_time_s": 3, "memory_mb": 512, "file_size_mb": 4,
+              "max_processes": 32, "max_output_bytes": 4096, **overrides}
+    registry = ToolRegistry.from_config({"tools": [{
+        "class_name": "rollout.tools.python_tool.PythonTool", "config": config,
+        "tool_schema": {"type": "function", "function": {"name": "python", "description": "run code", "parameters": {
+            "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}}]})
+    return registry.runner("python")
+
+
+def run_code(runner, code: str):
+    async def go():
+        async with runner.session() as iid:
+            return await runner.execute(iid, {"code": code})
+
+    return asyncio.run(go())
+
+
+def nobody_processes() -> set[int]:
+    """Live (not zombie) processes of the sandbox user."""
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if entry.stat().st_uid == NOBODY_UID and state not in ("Z", "X"):
+                    pids.add(int(entry.name))
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                pass
+    return pids
+
+
+def survivors(before: set[int]) -> set[int]:
+    """Sandbox processes started after `before` that are still alive (SIGKILLed ones get a moment to exit)."""
+    deadline = time.monotonic() + 3.0
+    while (left := nobody_processes() - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def assert_later_calls_work(runner) -> None:
+    result = run_code(runner, "print(sum(range(10)))")
+    assert result.error is None and "exit_code: 0" in result.text and "stdout:\n45" in result.text
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("isolation", MODES)
+def test_reading_files_outside_the_sandbox_is_denied(isolation, tmp_path):
+    """Containment: /etc/shadow, /root and a secret in another temp dir are unreadable; the secret is intact."""
+    if not AS_ROOT and isolation == "rlimits":
+        pytest.skip("without root there is no other user to drop to; only namespaces hide the caller's files")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOP-SECRET-42")
+    runner = python_runner(isolation)
+    code = f"""
+import os
+for path in ["/etc/shadow", {str(secret)!r}]:
+    try:
+        print(path, "READ", open(path).read())
+    except OSError as e:
+        print(path, "DENIED", type(e).__name__)
+try:
+    print("/root", "LIST", os.listdir("/root"))
+except OSError as e:
+    print("/root", "DENIED", type(e).__name__)
+"""
+    result = run_code(runner, code)
+    assert result.error is None and "exit_code: 0" in result.text
+    assert "TOP-SECRET-42" not in result.text and "READ" not in result.text
+    assert f"{secret} DENIED" in result.text and "/etc/shadow DENIED" in result.text
+    # /root is either unreadable (rlimits) or an empty tmpfs over it (namespaces).
+    assert "/root DENIED" in result.text or "/root LIST []" in result.text
+    assert secret.read_text() == "TOP-SECRET-42"
+    assert_later_calls_work(runner)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("isolation", MODES)
+def test_network_is_unreachable(isolation):
+    """Containment: a socket connection to a server the host is listening on fails; the server sees nothing."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.settimeout(0.2)
+    port = server.getsockname()[1]
+    accepted = []
+
+    def accept_loop(stop):
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept())
+            except (TimeoutError, OSError):
+                pass
+
+    stop = threading.Event()
+    thread = threading.Thread(target=accept_loop, args=(stop,))
+    thread.start()
+    try:
+        code = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('CONNECTED')"
+        result = run_code(python_runner(isolation), code)
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+    assert result.error is None  # the tool ran; the *code* failed
+    assert "CONNECTED" not in result.text and "exit_code: 1" in result.text
+    assert ("Network is unreachable" in result.text) or ("is not allowed" in result.text)
+    assert accepted == []
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("isolation", MODES)
+def test_fork_bomb_is_limited_and_cleaned_up(isolation):
+    """Containment: forking 1000 processes stops at the process limit; no forked process outlives the run."""
+    if not AS_ROOT:
+        pytest.skip("RLIMIT_NPROC is only meaningful here when privileges are dropped to a dedicated user")
+    before = nobody_processes()
+    code = """
+import os, time
+n = 0
+for i in range(1000):
+    try:
+        pid = os.fork()
+    except OSError as e:
+        print("FORK FAILED", type(e).__name__)
+        break
+    if pid == 0:
+        time.sleep(120)
+        os._exit(0)
+    n += 1
+print("FORKED", n)
+"""
+    runner = python_runner(isolation, timeout_s=4)
+    result = run_code(runner, code)
+    assert "FORK FAILED" in result.text
+    forked = int(result.text.split("FORKED ")[1].split()[0])
+    assert forked < 32
+    leftovers = survivors(before)
+    assert leftovers == set(), f"sandbox processes survived the run: {leftovers}"
+    assert_later_calls_work(runner)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("isolation", MODES)
+def test_allocating_4gb_fails_with_memory_error(isolation):
+    """Containment: a 4 GB allocation fails inside the sandbox (MemoryError) and is reported; the host is fine."""
+    runner = python_runner(isolation)
+    result = run_code(runner, "x = bytearray(4 * 1024 ** 3)\nprint('ALLOCATED')")
+    assert "ALLOCATED" not in result.text and "MemoryError" in result.text
+    assert "[memory limit of 512 MB exceeded]" in result.text
+    assert_later_calls_work(runner)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("isolation", MODES)
+def test_infinite_loop_is_killed_and_reported(isolation):
+    """Containment: an endless loop is killed (CPU limit or wall-clock timeout) and the model is told why."""
+    runner = python_runner(isolation, timeout_s=3, cpu_time_s=1)
+    result = run_code(runner, "while True:\n    pass")
+    assert result.error is None and not result.timed_out  # the sandbox stopped it, not the runner
+    assert ("CPU time limit of 1s exceeded" in result.text) or ("timed out after 2s" in result.text)
+    assert result.metrics["exit_code"] < 0
+    assert_later_calls_work(runner)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("isolation", MODES)
+def test_runner_timeout_cancels_and_kills_the_sandbox(isolation):
+    """Cancellation: when the runner's timeout fires first, the sandbox's process group is killed, not leaked."""
+    if not AS_ROOT:
+        pytest.skip("processes are identified by the dropped-to user")
+    before = nobody_processes()
+    runner = python_runner(isolation, timeout_s=1, wall_timeout_s=60, cpu_time_s=60)
+    result = run_code(runner, "import time\ntime.sleep(60)")
+    assert result.timed_out and "timed out after 1s" in result.text
+    assert survivors(before) == set()
+    assert_later_calls_work(runner)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("isolation", MODES)
+def test_huge_output_and_huge_files_are_capped(isolation):
+    """Containment: 1 MB of output is truncated (and flagged); a file beyond the size limit cannot be written."""
+    runner = python_runner(isolation)
+    result = run_code(runner, "print('y' * 1_000_000)")
+    assert result.metrics["truncated"] and "[output truncated to 4096 bytes per stream]" in result.text
+    assert len(result.text) < 6000
+    result = run_code(runner, "open('big.bin', 'wb').write(b'0' * (64 * 1024 * 1024))\nprint('WROTE')")
+    assert "WROTE" not in result.text and "File too large" in result.text
+    assert "[file size limit of 4 MB exceeded]" in result.text
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("isolation", MODES)
+def test_code_runs_in_its_own_fresh_directory(isolation):
+    """Each run starts in an empty private working directory that it may write to; nothing carries over."""
+    runner = python_runner(isolation)
+    first = run_code(runner, "import os\nprint(sorted(os.listdir('.')))\nopen('note.txt', 'w').write('hi')\nprint(open('note.txt').read())")
+    assert "stdout:\n[]\nhi" in first.text
+    second = run_code(runner, "import os\nprint(sorted(os.listdir('.')))")
+    assert "stdout:\n[]" in second.text
+
+
+@pytest.mark.unit
+def test_empty_code_argument_is_reported():
+    """A call without code gets an error message naming the argument, not a crash."""
+    result = run_code(python_runner("rlimits"), "   ")
+    assert "argument 'code' must be non-empty Python code" in result.text

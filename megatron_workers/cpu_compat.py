@@ -1,0 +1,95 @@
+"""The only place that adapts Megatron-Core to a CPU-only machine (gloo instead of NCCL).
+
+Megatron-Core is written for CUDA; on a machine without a GPU a handful of its assumptions
+break. `apply_cpu_compat()` patches exactly those, and nothing else in polyturn knows it may be
+running on a CPU. Measured against megatron-core 0.16.1 and torch 2.14.1 (a CUDA build):
+
+- `torch.cuda.current_device()` is used as the device of every parameter, activation buffer and
+  P2P shape tensor. It must answer `torch.device("cpu")` (answering 0 would mean `cuda:0`).
+- `torch.cuda.synchronize()` guards batched P2P ops in the pipeline schedule; on CPU there is
+  nothing to wait for, so it becomes a no-op.
+- The pipeline schedules allocate their token counters with `device="cuda"`; they are created
+  on the CPU instead (only inside `megatron.core.pipeline_parallel.schedules`, through a view of
+  `torch` whose `zeros/ones/empty/tensor/full` map a CUDA device to the CPU).
+
+The import stand-ins (`flash_mla` raising ImportError instead of OSError, `sgl_kernel`) are put
+on the import path by `cpu_standins.activate()`, called when this module is imported, i.e. before
+anything in `megatron_workers` imports megatron. With a GPU present, both do nothing.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import types
+from typing import Any, Callable
+
+import cpu_standins
+
+cpu_standins.activate()
+
+import torch  # noqa: E402  (must follow the stand-ins)
+
+logger = logging.getLogger(__name__)
+
+_MARK = "_polyturn_cpu_compat"
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
+
+
+def gpu_present() -> bool:
+    """True when torch sees a CUDA device; then no adaptation is applied."""
+    return torch.cuda.is_available()
+
+
+def _cpu_device(*_args: Any, **_kwargs: Any) -> torch.device:
+    return torch.device("cpu")
+
+
+def _noop(*_args: Any, **_kwargs: Any) -> None:
+    return None
+
+
+def _on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Wrap a tensor factory so that a CUDA `device=` argument lands on the CPU."""
+
+    @functools.wraps(factory)
+    def wrapper(*args: Any, **kwargs: Any) -> torch.Tensor:
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return wrapper
+
+
+def _torch_view_on_cpu() -> types.ModuleType:
+    """A module that forwards every attribute to `torch` but whose factories create CPU tensors."""
+    view = types.ModuleType("torch", doc="torch, with CUDA-device tensor factories sent to the CPU")
+    view.__getattr__ = lambda name: getattr(torch, name)  # type: ignore[attr-defined]
+    for name in _FACTORIES:
+        setattr(view, name, _on_cpu(getattr(torch, name)))
+    setattr(view, _MARK, True)
+    return view
+
+
+def apply_cpu_compat() -> bool:
+    """Adapt Megatron-Core to CPU + gloo when no GPU is present; idempotent.
+
+    Returns True when the CPU adaptations are active (applied now or before), False with a GPU.
+    Call it before building models or running a pipeline schedule (`megatron_workers.parallel`
+    calls it from `init_distributed`).
+    """
+    if gpu_present():
+        return False
+    if getattr(torch.cuda.current_device, _MARK, False):
+        return True
+    current_device = _cpu_device
+    setattr(current_device, _MARK, True)
+    torch.cuda.current_device = current_device  # type: ignore[assignment]
+    torch.cuda.synchronize = _noop  # type: ignore[assignment]
+
+    from megatron.core.pipeline_parallel import schedules
+
+    if not getattr(schedules.torch, _MARK, False):
+        schedules.torch = _torch_view_on_cpu()
+    logger.info("megatron-core adapted to CPU + gloo (no GPU present)")
+    return True

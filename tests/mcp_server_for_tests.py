@@ -3,6 +3,7 @@
 Tools: `add(a, b)` (integers), `shout(text)` (upper-cases), `fail(message)` (raises `ToolError`,
 so the server reports an error result), `slow(seconds)` (sleeps, for timeout tests).
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -1,4 +1,5 @@
 """Interaction plug-in contract, YAML registry and routing, finalize guarantees, GSM8K and tutor built-ins."""
+
 from __future__ import annotations
 
 import asyncio
@@ -72,7 +73,9 @@ def user_module(tmp_path, monkeypatch):
 
 
 def chat(*assistant_texts: str) -> list[dict]:
-    messages = [{"role": "user", "content": "Natalia sold clips to 48 friends in April, and half as many in May. How many?"}]
+    messages = [
+        {"role": "user", "content": "Natalia sold clips to 48 friends in April, and half as many in May. How many?"}
+    ]
     for text in assistant_texts:
         messages.append({"role": "assistant", "content": text})
     return messages
@@ -83,8 +86,11 @@ def test_user_interaction_via_yaml_full_lifecycle(tmp_path, user_module):
     """Contract: an interaction written against the documented signature loads from verl's YAML and runs
     start -> generate_response (should_terminate, text, score, metadata) -> calculate_score -> finalize."""
     path = tmp_path / "interaction.yaml"
-    path.write_text(yaml.safe_dump({"interaction": [
-        {"class_name": "user_interactions.EchoUserInteraction", "config": {"turns": 2}}]}))
+    path.write_text(
+        yaml.safe_dump(
+            {"interaction": [{"class_name": "user_interactions.EchoUserInteraction", "config": {"turns": 2}}]}
+        )
+    )
     registry = InteractionRegistry.from_config(path)
     assert registry.names == ["echo_user"]  # default name from the class name
     runner = registry.route({"name": "echo_user", "topic": "math"})
@@ -96,7 +102,12 @@ def test_user_interaction_via_yaml_full_lifecycle(tmp_path, user_module):
             return iid, first, second, await runner.calculate_score(iid)
 
     iid, first, second, score = asyncio.run(go())
-    assert (first.should_terminate, first.text, first.score, first.metadata) == (False, "you said: hello", 0.5, {"n": 1})
+    assert (first.should_terminate, first.text, first.score, first.metadata) == (
+        False,
+        "you said: hello",
+        0.5,
+        {"n": 1},
+    )
     assert (second.should_terminate, second.text, second.score) == (True, "you said: bye", 1.0)
     assert score == 2.0
     assert user_module.LOG == [("start", iid, {"topic": "math"}), ("finalize", iid)]
@@ -111,7 +122,8 @@ def test_name_defaults_and_single_interaction_routing(user_module):
     assert Gsm8kInteraction({}).name == "gsm8k" and Gsm8kTutorInteraction({}).name == "gsm8k_tutor"
     assert Gsm8kInteraction({"name": "grader"}).name == "grader"
     registry = InteractionRegistry.from_config(
-        {"interaction": [{"class_name": "user_interactions.EchoUserInteraction"}]})
+        {"interaction": [{"class_name": "user_interactions.EchoUserInteraction"}]}
+    )
     assert registry.route({}).name == "echo_user" and registry.route(None).name == "echo_user"
 
 
@@ -122,7 +134,10 @@ def test_unknown_interaction_name_refused_at_validation_with_known_names():
     registry = InteractionRegistry.from_config(CONFIG)
     assert registry.names == ["gsm8k", "gsm8k_tutor"]
     registry.validate_sample({"name": "gsm8k_tutor", "ground_truth": "72"})
-    with pytest.raises(InteractionConfigError, match=r"'gsm8k_teacher' is not registered; known interactions: \['gsm8k', 'gsm8k_tutor'\]"):
+    with pytest.raises(
+        InteractionConfigError,
+        match=r"'gsm8k_teacher' is not registered; known interactions: \['gsm8k', 'gsm8k_tutor'\]",
+    ):
         registry.validate_sample({"name": "gsm8k_teacher"})
     with pytest.raises(InteractionConfigError, match="has no 'name'"):
         registry.validate_sample({"ground_truth": "72"})
@@ -132,13 +147,26 @@ def test_unknown_interaction_name_refused_at_validation_with_known_names():
 @pytest.mark.parametrize(
     "entries, message",
     [
-        ([{"class_name": "user_interactions.NotAnInteraction"}], r"interaction\[0\]\.class_name: .*not a subclass of .*BaseInteraction"),
+        (
+            [{"class_name": "user_interactions.NotAnInteraction"}],
+            r"interaction\[0\]\.class_name: .*not a subclass of .*BaseInteraction",
+        ),
         ([{"class_name": "nowhere.Thing"}], r"interaction\[0\]\.class_name: cannot import module 'nowhere'"),
-        ([{"name": "a", "class_name": "user_interactions.EchoUserInteraction"},
-          {"name": "a", "class_name": "user_interactions.EchoUserInteraction"}], "two interactions are named 'a'"),
-        ([{"class_name": "user_interactions.EchoUserInteraction", "kwargs": {}}], r"interaction\[0\]: unknown keys \['kwargs'\]"),
-        ([{"class_name": "rollout.interactions.gsm8k.Gsm8kInteraction", "config": {"max_user_turns": 0}}],
-         r"interaction\[0\]: building Gsm8kInteraction failed: .*max_user_turns must be >= 1"),
+        (
+            [
+                {"name": "a", "class_name": "user_interactions.EchoUserInteraction"},
+                {"name": "a", "class_name": "user_interactions.EchoUserInteraction"},
+            ],
+            "two interactions are named 'a'",
+        ),
+        (
+            [{"class_name": "user_interactions.EchoUserInteraction", "kwargs": {}}],
+            r"interaction\[0\]: unknown keys \['kwargs'\]",
+        ),
+        (
+            [{"class_name": "rollout.interactions.gsm8k.Gsm8kInteraction", "config": {"max_user_turns": 0}}],
+            r"interaction\[0\]: building Gsm8kInteraction failed: .*max_user_turns must be >= 1",
+        ),
     ],
 )
 def test_bad_interaction_yaml_refused_at_load(tmp_path, user_module, entries, message):
@@ -233,7 +261,9 @@ def test_tutor_reveals_reference_steps_in_order_and_samples_mix_interactions():
     """Tutor interaction: each wrong answer reveals the next reference step (calculator notes removed);
     one batch routes samples to different interactions by interaction_kwargs.name."""
     assert solution_steps(GSM8K_SOLUTION) == [
-        "Natalia sold 48/2 = 24 clips in May.", "Natalia sold 48+24 = 72 clips altogether in April and May."]
+        "Natalia sold 48/2 = 24 clips in May.",
+        "Natalia sold 48+24 = 72 clips altogether in April and May.",
+    ]
     registry = InteractionRegistry.from_config(CONFIG)
     samples = [
         {"name": "gsm8k_tutor", "ground_truth": "72", "solution": GSM8K_SOLUTION},

@@ -1,4 +1,5 @@
 """MCP adapter round trip against a real stdio MCP server started by the test (tests/mcp_server_for_tests.py)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -76,16 +77,32 @@ def test_server_tools_become_polyturn_tools_and_round_trip():
     assert len(running) == 1, "calls share one server connection"
     assert server_processes() == []
     assert {name: c for name, c in registry.counts().items()} == {
-        "add": (1, 1), "shout": (1, 1), "fail": (1, 1), "slow": (1, 1)}
+        "add": (1, 1),
+        "shout": (1, 1),
+        "fail": (1, 1),
+        "slow": (1, 1),
+    }
 
 
 @pytest.mark.integration
 def test_tool_subset_and_per_tool_schema_entries():
     """MCP: `config.tools` picks a subset; an entry with `tool_schema` is exactly that one tool, with the
     YAML's schema shown to the model and calls going to the server tool of that name."""
-    custom = {"type": "function", "function": {"name": "shout", "description": "Make text loud.", "parameters": {
-        "type": "object", "properties": {"text": {"type": "string", "description": "what to shout"}}, "required": ["text"]}}}
-    registry = ToolRegistry.from_config({"tools": [mcp_entry(config={"tools": ["add"]}), mcp_entry(tool_schema=custom)]})
+    custom = {
+        "type": "function",
+        "function": {
+            "name": "shout",
+            "description": "Make text loud.",
+            "parameters": {
+                "type": "object",
+                "properties": {"text": {"type": "string", "description": "what to shout"}},
+                "required": ["text"],
+            },
+        },
+    }
+    registry = ToolRegistry.from_config(
+        {"tools": [mcp_entry(config={"tools": ["add"]}), mcp_entry(tool_schema=custom)]}
+    )
     assert registry.names == ["add", "shout"]
     assert registry.schemas(["shout"]) == [custom]
 
@@ -102,10 +119,24 @@ def test_tool_subset_and_per_tool_schema_entries():
 @pytest.mark.integration
 def test_bad_mcp_entries_are_refused_at_load():
     """MCP: a tool the server does not offer, or a server that cannot start, fails at load naming the entry."""
-    with pytest.raises(ToolConfigError, match=r"tools\[0\]: building MCPTool failed: .*\['search'\].*offers \['add', 'fail', 'shout', 'slow'\]"):
+    with pytest.raises(
+        ToolConfigError,
+        match=r"tools\[0\]: building MCPTool failed: .*\['search'\].*offers \['add', 'fail', 'shout', 'slow'\]",
+    ):
         ToolRegistry.from_config({"tools": [mcp_entry(config={"tools": ["search"]})]})
-    with pytest.raises(ToolConfigError, match=r"tools\[0\]: building MCPTool failed: .*could not list the tools of MCP server /nonexistent/python"):
-        ToolRegistry.from_config({"tools": [{"class_name": "rollout.tools.mcp_tool.MCPTool",
-                                             "config": {"server": {"command": "/nonexistent/python"}}}]})
+    with pytest.raises(
+        ToolConfigError,
+        match=r"tools\[0\]: building MCPTool failed: .*could not list the tools of MCP server /nonexistent/python",
+    ):
+        ToolRegistry.from_config(
+            {
+                "tools": [
+                    {
+                        "class_name": "rollout.tools.mcp_tool.MCPTool",
+                        "config": {"server": {"command": "/nonexistent/python"}},
+                    }
+                ]
+            }
+        )
     with pytest.raises(ToolConfigError, match=r"needs config\.server\.command"):
         ToolRegistry.from_config({"tools": [{"class_name": "rollout.tools.mcp_tool.MCPTool", "config": {}}]})

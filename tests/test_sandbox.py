@@ -4,6 +4,7 @@ Every test runs through the real `python` tool behind its `ToolRunner` (as the a
 in each isolation mode this machine supports: "namespaces" (unshare + privilege drop) and the
 "rlimits" fallback used where namespaces are unavailable.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,19 +22,49 @@ from rollout.tools.sandbox import NOBODY_UID, namespaces_available
 
 AS_ROOT = os.geteuid() == 0
 MODES = [
-    pytest.param("namespaces", marks=pytest.mark.skipif(
-        not namespaces_available(shutil.which("unshare"), AS_ROOT), reason="unshare cannot create namespaces here")),
+    pytest.param(
+        "namespaces",
+        marks=pytest.mark.skipif(
+            not namespaces_available(shutil.which("unshare"), AS_ROOT), reason="unshare cannot create namespaces here"
+        ),
+    ),
     "rlimits",
 ]
 
 
 def python_runner(isolation: str, **overrides):
-    config = {"isolation": isolation, "timeout_s": 6, "cpu_time_s": 3, "memory_mb": 512, "file_size_mb": 4,
-              "max_processes": 32, "max_output_bytes": 4096, **overrides}
-    registry = ToolRegistry.from_config({"tools": [{
-        "class_name": "rollout.tools.python_tool.PythonTool", "config": config,
-        "tool_schema": {"type": "function", "function": {"name": "python", "description": "run code", "parameters": {
-            "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}}]})
+    config = {
+        "isolation": isolation,
+        "timeout_s": 6,
+        "cpu_time_s": 3,
+        "memory_mb": 512,
+        "file_size_mb": 4,
+        "max_processes": 32,
+        "max_output_bytes": 4096,
+        **overrides,
+    }
+    registry = ToolRegistry.from_config(
+        {
+            "tools": [
+                {
+                    "class_name": "rollout.tools.python_tool.PythonTool",
+                    "config": config,
+                    "tool_schema": {
+                        "type": "function",
+                        "function": {
+                            "name": "python",
+                            "description": "run code",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"code": {"type": "string"}},
+                                "required": ["code"],
+                            },
+                        },
+                    },
+                }
+            ]
+        }
+    )
     return registry.runner("python")
 
 
@@ -224,7 +255,10 @@ def test_huge_output_and_huge_files_are_capped(isolation):
 def test_code_runs_in_its_own_fresh_directory(isolation):
     """Each run starts in an empty private working directory that it may write to; nothing carries over."""
     runner = python_runner(isolation)
-    first = run_code(runner, "import os\nprint(sorted(os.listdir('.')))\nopen('note.txt', 'w').write('hi')\nprint(open('note.txt').read())")
+    first = run_code(
+        runner,
+        "import os\nprint(sorted(os.listdir('.')))\nopen('note.txt', 'w').write('hi')\nprint(open('note.txt').read())",
+    )
     assert "stdout:\n[]\nhi" in first.text
     second = run_code(runner, "import os\nprint(sorted(os.listdir('.')))")
     assert "stdout:\n[]" in second.text

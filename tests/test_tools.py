@@ -1,4 +1,5 @@
 """Tool plug-in contract, YAML registry errors, runner limits and faults, and the GSM8K tool."""
+
 from __future__ import annotations
 
 import asyncio
@@ -100,8 +101,14 @@ def write_yaml(tmp_path: Path, data: dict) -> Path:
 
 
 def schema(name: str, properties: dict | None = None, required: list[str] | None = None) -> dict:
-    return {"type": "function", "function": {"name": name, "description": f"{name} tool", "parameters": {
-        "type": "object", "properties": properties or {}, "required": required or []}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"{name} tool",
+            "parameters": {"type": "object", "properties": properties or {}, "required": required or []},
+        },
+    }
 
 
 class ScriptedTool(BaseTool):
@@ -142,8 +149,14 @@ def scripted(behaviour, **config) -> ToolRunner:
 def test_user_tool_loads_from_yaml_and_runs_full_lifecycle(tmp_path, user_package):
     """Contract: a tool written against the documented BaseTool signature works via the YAML registry:
     create (with create_kwargs) -> execute (response, step reward, metrics) -> calc_reward -> release."""
-    path = write_yaml(tmp_path, {"tools": [{"class_name": "user_tools.CounterTool", "config": {"timeout_s": 5},
-                                            "tool_schema": COUNTER_SCHEMA}]})
+    path = write_yaml(
+        tmp_path,
+        {
+            "tools": [
+                {"class_name": "user_tools.CounterTool", "config": {"timeout_s": 5}, "tool_schema": COUNTER_SCHEMA}
+            ]
+        },
+    )
     registry = ToolRegistry.from_config(path)
     assert registry.names == ["counter"]
     assert registry.schemas() == [COUNTER_SCHEMA]
@@ -167,7 +180,9 @@ def test_user_tool_loads_from_yaml_and_runs_full_lifecycle(tmp_path, user_packag
 @pytest.mark.unit
 def test_old_style_tool_return_shapes_are_accepted(tmp_path, user_package):
     """Contract: verl <= 0.4 tools (create returns the id, execute returns a str) still run."""
-    registry = ToolRegistry.from_config({"tools": [{"class_name": "user_tools.OldStyleTool", "tool_schema": schema("old")}]})
+    registry = ToolRegistry.from_config(
+        {"tools": [{"class_name": "user_tools.OldStyleTool", "tool_schema": schema("old")}]}
+    )
     runner = registry.runner("old")
 
     async def go():
@@ -204,12 +219,17 @@ def test_shipped_tool_configs_load(name):
 @pytest.mark.unit
 def test_argument_validation_names_the_bad_argument():
     """Arguments that do not fit the schema are reported per argument (missing, wrong type, not in enum)."""
-    s = OpenAIFunctionToolSchema.from_dict(schema(
-        "convert", {"value": {"type": "number"}, "unit": {"type": "string", "enum": ["C", "F"]}}, ["value", "unit"]))
+    s = OpenAIFunctionToolSchema.from_dict(
+        schema(
+            "convert", {"value": {"type": "number"}, "unit": {"type": "string", "enum": ["C", "F"]}}, ["value", "unit"]
+        )
+    )
     assert s.validate_arguments({"value": 3, "unit": "C"}) == []
     assert s.validate_arguments({"unit": "C"}) == ["arguments: 'value' is a required property"]
     assert s.validate_arguments({"value": "3", "unit": "K"}) == [
-        "unit: 'K' is not one of ['C', 'F']", "value: '3' is not of type 'number'"]
+        "unit: 'K' is not one of ['C', 'F']",
+        "value: '3' is not of type 'number'",
+    ]
     assert s.validate_arguments([1, 2]) == ["arguments: [1, 2] is not of type 'object'"]
 
 
@@ -230,23 +250,51 @@ def test_function_call_decoding_reports_bad_json():
 @pytest.mark.parametrize(
     "entry, message",
     [
-        ({"class_name": "no_such_module.Tool", "tool_schema": schema("a")}, r"tools\[1\]\.class_name: cannot import module 'no_such_module'"),
-        ({"class_name": "user_tools.Missing", "tool_schema": schema("a")}, r"tools\[1\]\.class_name: module 'user_tools' has no attribute 'Missing'"),
-        ({"class_name": "user_tools.NotATool", "tool_schema": schema("a")}, r"tools\[1\]\.class_name: user_tools\.NotATool is not a subclass of rollout\.tools\.base\.BaseTool"),
+        (
+            {"class_name": "no_such_module.Tool", "tool_schema": schema("a")},
+            r"tools\[1\]\.class_name: cannot import module 'no_such_module'",
+        ),
+        (
+            {"class_name": "user_tools.Missing", "tool_schema": schema("a")},
+            r"tools\[1\]\.class_name: module 'user_tools' has no attribute 'Missing'",
+        ),
+        (
+            {"class_name": "user_tools.NotATool", "tool_schema": schema("a")},
+            r"tools\[1\]\.class_name: user_tools\.NotATool is not a subclass of rollout\.tools\.base\.BaseTool",
+        ),
         ({"class_name": "CounterTool", "tool_schema": schema("a")}, r"tools\[1\]\.class_name: expected a dotted path"),
         ({"class_name": "user_tools.CounterTool"}, r"tools\[1\]: building CounterTool failed: .*needs a `tool_schema`"),
-        ({"class_name": "user_tools.CounterTool", "tool_schema": {"type": "function", "function": {"description": "x"}}},
-         r"tools\[1\]\.tool_schema\.function\.name: must be a non-empty string"),
-        ({"class_name": "user_tools.CounterTool", "tool_schema": {"type": "function", "function": {
-            "name": "a", "parameters": {"type": "array"}}}}, r"tools\[1\]\.tool_schema\.function\.parameters\.type: must be 'object'"),
-        ({"class_name": "user_tools.CounterTool", "tool_schema": schema("a", {"x": {"type": "str"}})},
-         r"tools\[1\]\.tool_schema\.function\.parameters.*properties\.x\.type"),
-        ({"class_name": "user_tools.CounterTool", "tool_schema": schema("a", {"x": {"type": "string"}}, ["y"])},
-         r"'y' is required but not listed in properties"),
+        (
+            {
+                "class_name": "user_tools.CounterTool",
+                "tool_schema": {"type": "function", "function": {"description": "x"}},
+            },
+            r"tools\[1\]\.tool_schema\.function\.name: must be a non-empty string",
+        ),
+        (
+            {
+                "class_name": "user_tools.CounterTool",
+                "tool_schema": {"type": "function", "function": {"name": "a", "parameters": {"type": "array"}}},
+            },
+            r"tools\[1\]\.tool_schema\.function\.parameters\.type: must be 'object'",
+        ),
+        (
+            {"class_name": "user_tools.CounterTool", "tool_schema": schema("a", {"x": {"type": "str"}})},
+            r"tools\[1\]\.tool_schema\.function\.parameters.*properties\.x\.type",
+        ),
+        (
+            {"class_name": "user_tools.CounterTool", "tool_schema": schema("a", {"x": {"type": "string"}}, ["y"])},
+            r"'y' is required but not listed in properties",
+        ),
         ({"class_name": "user_tools.CounterTool", "tool_schema": schema("counter")}, r"two tools are named 'counter'"),
-        ({"class_name": "user_tools.CounterTool", "tool_schema": schema("a"), "cfg": {}}, r"tools\[1\]: unknown keys \['cfg'\]"),
-        ({"class_name": "user_tools.CounterTool", "tool_schema": schema("a"), "config": {"timeout_s": 0}},
-         r"tools\[1\]: tool 'a': config\.timeout_s must be > 0"),
+        (
+            {"class_name": "user_tools.CounterTool", "tool_schema": schema("a"), "cfg": {}},
+            r"tools\[1\]: unknown keys \['cfg'\]",
+        ),
+        (
+            {"class_name": "user_tools.CounterTool", "tool_schema": schema("a"), "config": {"timeout_s": 0}},
+            r"tools\[1\]: tool 'a': config\.timeout_s must be > 0",
+        ),
     ],
 )
 def test_bad_yaml_entries_are_refused_at_load_naming_the_entry(tmp_path, user_package, entry, message):
@@ -276,6 +324,7 @@ def test_missing_file_and_missing_list_are_refused(tmp_path):
 @pytest.mark.unit
 def test_tool_that_raises_becomes_an_error_response_and_later_calls_work():
     """Fault: an exception inside a tool is returned to the model as text with `error` set; the runner goes on."""
+
     async def behaviour(params):
         if params["x"] == 0:
             raise ZeroDivisionError("division by zero")
@@ -295,6 +344,7 @@ def test_tool_that_raises_becomes_an_error_response_and_later_calls_work():
 @pytest.mark.unit
 def test_hung_tool_is_cancelled_at_its_timeout():
     """Fault: a call running past `timeout_s` is cancelled (the tool sees CancelledError) and reported as a timeout."""
+
     async def behaviour(params):
         await asyncio.sleep(60)
         return "never", 0.0, {}
@@ -309,6 +359,7 @@ def test_hung_tool_is_cancelled_at_its_timeout():
 @pytest.mark.unit
 def test_oversized_response_is_truncated_with_a_marker():
     """Fault: a 1 MB response is cut to `max_response_chars`, says how much was dropped, and is flagged."""
+
     async def behaviour(params):
         return "a" * 1_000_000, 0.5, {}
 
@@ -322,6 +373,7 @@ def test_oversized_response_is_truncated_with_a_marker():
 @pytest.mark.unit
 def test_invalid_arguments_never_reach_the_tool():
     """Arguments that do not fit the schema give an error response naming the argument; the tool is not called."""
+
     async def behaviour(params):
         return "ran", 0.0, {}
 
@@ -334,6 +386,7 @@ def test_invalid_arguments_never_reach_the_tool():
 @pytest.mark.unit
 def test_bad_return_shape_is_reported_not_raised():
     """A tool whose execute returns the wrong shape gives an error response naming the expected shape."""
+
     async def behaviour(params):
         return "just a string"
 
@@ -344,6 +397,7 @@ def test_bad_return_shape_is_reported_not_raised():
 @pytest.mark.unit
 def test_max_concurrency_bounds_calls_in_flight():
     """Per-tool `max_concurrency`: never more calls inside the tool at once, however many trajectories call it."""
+
     async def behaviour(params):
         await asyncio.sleep(0.02)
         return "ok", 0.0, {}
@@ -362,6 +416,7 @@ def test_max_concurrency_bounds_calls_in_flight():
 def test_rate_limit_spaces_call_starts():
     """Per-tool `rate_limit` (calls/s): five calls issued at once are spread over >= 4/rate seconds
     (checked with one interval of slack for event-loop wake-up jitter)."""
+
     async def behaviour(params):
         return "ok", 0.0, {}
 
@@ -378,7 +433,9 @@ def test_rate_limit_spaces_call_starts():
 @pytest.mark.unit
 def test_release_is_called_when_the_trajectory_is_cancelled(tmp_path, user_package):
     """`release` is guaranteed: a trajectory cancelled mid-call (rollout abort) still releases its instance."""
-    registry = ToolRegistry.from_config({"tools": [{"class_name": "user_tools.CounterTool", "tool_schema": COUNTER_SCHEMA}]})
+    registry = ToolRegistry.from_config(
+        {"tools": [{"class_name": "user_tools.CounterTool", "tool_schema": COUNTER_SCHEMA}]}
+    )
     runner = registry.runner("counter")
     started = asyncio.Event()
 
@@ -458,4 +515,3 @@ def test_gsm8k_tool_feedback_and_rewards():
     with pytest.raises(ValueError, match="create_kwargs.ground_truth"):
         asyncio.run(runner.create())
     assert registry.counts() == {"calc_gsm8k_reward": (1, 1)}
-

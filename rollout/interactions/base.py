@@ -16,6 +16,7 @@ Departs from verl: `calculate_score` and `finalize_interaction` take the `instan
 verl they take none, so per-instance state can leak); `name` defaults from the class name
 (`Gsm8kInteraction` -> `gsm8k`) when the config does not give one.
 """
+
 from __future__ import annotations
 
 import re

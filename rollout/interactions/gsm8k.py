@@ -12,6 +12,7 @@ Departs from verl's `Gsm8kInteraction`: it has no turn limit of its own (it reli
 rollout's), and it scores by string equality; this one also stops itself after
 `max_user_turns` and compares numbers by value.
 """
+
 from __future__ import annotations
 
 import re
@@ -51,14 +52,18 @@ class Gsm8kInteraction(BaseInteraction):
         self.max_user_turns = int(self.config.get("max_user_turns", 3))
         self.method = self.config.get("method", "flexible")
         if self.max_user_turns < 1:
-            raise ValueError(f"interaction {self.name!r}: config.max_user_turns must be >= 1, got {self.max_user_turns}")
+            raise ValueError(
+                f"interaction {self.name!r}: config.max_user_turns must be >= 1, got {self.max_user_turns}"
+            )
         self._instances: dict[str, dict[str, Any]] = {}
 
-    async def start_interaction(self, instance_id: str | None = None, ground_truth: str | None = None, **kwargs: Any) -> str:
+    async def start_interaction(
+        self, instance_id: str | None = None, ground_truth: str | None = None, **kwargs: Any
+    ) -> str:
         if ground_truth is None:
             raise ValueError(f"interaction {self.name!r} needs interaction_kwargs.ground_truth in the sample")
         instance_id = await super().start_interaction(instance_id)
-        self._instances[instance_id] = {"ground_truth": str(ground_truth), "turns": 0, "score": 0.0, **kwargs}
+        self._instances[instance_id] = {"ground_truth": str(ground_truth), "turns": 0, "score": 0.0, "kwargs": kwargs}
         return instance_id
 
     def _grade(self, instance_id: str, messages: list[dict[str, Any]]) -> tuple[dict[str, Any], float]:
@@ -90,14 +95,16 @@ class Gsm8kInteraction(BaseInteraction):
 class Gsm8kTutorInteraction(Gsm8kInteraction):
     """Like `Gsm8kInteraction`, but each wrong answer gets the next step of the reference solution."""
 
-    async def start_interaction(self, instance_id: str | None = None, ground_truth: str | None = None, **kwargs: Any) -> str:
+    async def start_interaction(
+        self, instance_id: str | None = None, ground_truth: str | None = None, **kwargs: Any
+    ) -> str:
         solution = kwargs.get("solution")
         if not solution:
             raise ValueError(f"interaction {self.name!r} needs interaction_kwargs.solution (the reference solution)")
         return await super().start_interaction(instance_id, ground_truth=ground_truth, **kwargs)
 
     def _hint(self, state: dict[str, Any]) -> str:
-        steps = solution_steps(state["solution"])
+        steps = solution_steps(state["kwargs"]["solution"])
         if state["turns"] > len(steps):
             return "Not quite. You have seen every step of the solution; put them together and give the final answer."
         return f"Not quite. Hint: {steps[state['turns'] - 1]}"

@@ -10,6 +10,7 @@ registered interaction the name may be omitted. `validate_sample` refuses an unk
 with the list of known ones: call it when the data is loaded, so a typo fails before any
 rollout starts rather than mid-run.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -48,7 +49,9 @@ def build_interactions(source: str | Path | dict[str, Any]) -> list[BaseInteract
         try:
             out.append(cls(config))
         except Exception as exc:
-            raise InteractionConfigError(f"{where}: building {cls.__name__} failed: {type(exc).__name__}: {exc}") from exc
+            raise InteractionConfigError(
+                f"{where}: building {cls.__name__} failed: {type(exc).__name__}: {exc}"
+            ) from exc
     return out
 
 
@@ -59,7 +62,9 @@ class InteractionRegistry:
         self.runners: dict[str, InteractionRunner] = {}
         for inter in interactions:
             if inter.name in self.runners:
-                raise InteractionConfigError(f"two interactions are named {inter.name!r}; give each entry a unique `name`")
+                raise InteractionConfigError(
+                    f"two interactions are named {inter.name!r}; give each entry a unique `name`"
+                )
             self.runners[inter.name] = InteractionRunner(inter)
 
     @classmethod
@@ -82,7 +87,9 @@ class InteractionRegistry:
                 f"set interaction_kwargs.name to one of {self.names}"
             )
         if name not in self.runners:
-            raise InteractionConfigError(f"interaction_kwargs.name={name!r} is not registered; known interactions: {self.names}")
+            raise InteractionConfigError(
+                f"interaction_kwargs.name={name!r} is not registered; known interactions: {self.names}"
+            )
         return name
 
     def validate_sample(self, interaction_kwargs: dict[str, Any] | None) -> None:

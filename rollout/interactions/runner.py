@@ -5,6 +5,7 @@ Exceptions and timeouts of `generate_response` become a terminating `Interaction
 `session()` calls `finalize_interaction` on every exit, cancellation included, and the runner
 counts starts and finalizations so tests and metrics can assert they are equal.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,9 +45,13 @@ class InteractionRunner:
         self.live_instances: set[str] = set()
 
     async def start(self, instance_id: str | None = None, **interaction_kwargs: Any) -> str:
-        iid = await asyncio.wait_for(self.interaction.start_interaction(instance_id, **interaction_kwargs), self.timeout_s)
+        iid = await asyncio.wait_for(
+            self.interaction.start_interaction(instance_id, **interaction_kwargs), self.timeout_s
+        )
         if not isinstance(iid, str) or not iid:
-            raise TypeError(f"interaction {self.name!r}: start_interaction() returned {iid!r}; return the instance id (str)")
+            raise TypeError(
+                f"interaction {self.name!r}: start_interaction() returned {iid!r}; return the instance id (str)"
+            )
         self.num_started += 1
         self.live_instances.add(iid)
         return iid
@@ -54,7 +59,9 @@ class InteractionRunner:
     async def finalize(self, instance_id: str, **kwargs: Any) -> None:
         """Finalize once; errors and timeouts are logged, never raised."""
         if instance_id not in self.live_instances:
-            logger.warning("interaction %r: finalize of unknown or finalized instance %r ignored", self.name, instance_id)
+            logger.warning(
+                "interaction %r: finalize of unknown or finalized instance %r ignored", self.name, instance_id
+            )
             return
         self.live_instances.discard(instance_id)
         self.num_finalized += 1
@@ -80,7 +87,7 @@ class InteractionRunner:
             )
             should_terminate, text, score, metadata = out
             return InteractionTurn(bool(should_terminate), str(text or ""), float(score), dict(metadata or {}))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logger.warning("interaction %r timed out after %.1fs", self.name, self.timeout_s)
             return InteractionTurn(True, "", 0.0, {}, error=f"timeout after {self.timeout_s:g}s")
         except Exception as exc:  # noqa: BLE001 - an interaction failure ends this trajectory only
@@ -90,7 +97,9 @@ class InteractionRunner:
     async def calculate_score(self, instance_id: str, **kwargs: Any) -> float:
         """The instance's score; a failure gives 0.0 and a logged error."""
         try:
-            return float(await asyncio.wait_for(self.interaction.calculate_score(instance_id, **kwargs), self.timeout_s))
+            return float(
+                await asyncio.wait_for(self.interaction.calculate_score(instance_id, **kwargs), self.timeout_s)
+            )
         except Exception:  # noqa: BLE001
             logger.exception("interaction %r: calculate_score(%r) failed; using 0.0", self.name, instance_id)
             return 0.0

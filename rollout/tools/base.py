@@ -15,6 +15,7 @@ guarantees `release`.
 Departs from verl: `create` may return just an id (verl <= 0.4) or `(id, ToolResponse|None)`
 (verl >= 0.5); the runner accepts both. `execute` may return a `str` or a `ToolResponse`.
 """
+
 from __future__ import annotations
 
 import uuid
@@ -46,6 +47,7 @@ class BaseTool:
         return [cls(config, tool_schema)]
 
     def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
+        """The schema shown to the model (verl's accessor)."""
         return self.tool_schema
 
     async def create(self, instance_id: str | None = None, **kwargs: Any) -> tuple[str, ToolResponse | None]:

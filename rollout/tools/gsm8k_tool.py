@@ -12,6 +12,7 @@ with feedback text and a step reward, as verl's `calc_gsm8k_reward` tool does:
 Departs from verl's `gsm8k.compute_score`: numbers are compared by value after removing
 `$`, `,` and a trailing `.` ("1,000" == "1000" == "1000.00"); verl compares strings.
 """
+
 from __future__ import annotations
 
 import re
@@ -67,7 +68,9 @@ def gsm8k_score(
         return 0.0
     truth = normalize_number(ground_truth)
     if truth is None:
-        raise ValueError(f"gsm8k ground truth {ground_truth!r} is not a number; fix the dataset's reward_model.ground_truth")
+        raise ValueError(
+            f"gsm8k ground truth {ground_truth!r} is not a number; fix the dataset's reward_model.ground_truth"
+        )
     return score if answer == truth else format_score
 
 

@@ -20,6 +20,7 @@ be entered and left in the same task); `close()` (the registry's `aclose`) ends 
 server process. A call cancelled by the runner's timeout is abandoned on the client side.
 A server-side error (`is_error`) is returned to the model as text with metric `is_error`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -124,8 +125,9 @@ class MCPConnection:
 class MCPTool(BaseTool):
     """One tool of an MCP server; build them with `MCPTool.from_config` (the registry does)."""
 
-    def __init__(self, config: dict[str, Any], tool_schema: OpenAIFunctionToolSchema, connection: MCPConnection,
-                 remote_name: str):
+    def __init__(
+        self, config: dict[str, Any], tool_schema: OpenAIFunctionToolSchema, connection: MCPConnection, remote_name: str
+    ):
         super().__init__(config, tool_schema)
         self.connection = connection
         self.remote_name = remote_name
@@ -147,8 +149,14 @@ class MCPTool(BaseTool):
         for name in wanted:
             remote = listed[name]
             schema = OpenAIFunctionToolSchema.from_dict(
-                {"type": "function", "function": {
-                    "name": name, "description": remote.description or "", "parameters": remote.input_schema}},
+                {
+                    "type": "function",
+                    "function": {
+                        "name": name,
+                        "description": remote.description or "",
+                        "parameters": remote.input_schema,
+                    },
+                },
                 where=f"MCP tool {name!r}",
             )
             tools.append(cls(config, schema, connection, name))

@@ -9,6 +9,7 @@ sandbox's wall-clock limit; `cpu_time_s`, `memory_mb`, `file_size_mb`, `max_proc
 `disk_mb`, `max_output_bytes` map to `SandboxLimits`; `isolation` ("auto" | "namespaces" |
 "rlimits"); `python_executable`.
 """
+
 from __future__ import annotations
 
 from dataclasses import fields
@@ -39,9 +40,11 @@ class PythonTool(BaseTool):
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any):
         code = parameters.get(self.code_argument)
         if not isinstance(code, str) or not code.strip():
-            return ToolResponse(text=f"Error: argument '{self.code_argument}' must be non-empty Python code."), 0.0, {
-                "exit_code": None
-            }
+            return (
+                ToolResponse(text=f"Error: argument '{self.code_argument}' must be non-empty Python code."),
+                0.0,
+                {"exit_code": None},
+            )
         result = await self.sandbox.run(code)
         metrics = {
             "exit_code": result.exit_code,

@@ -13,6 +13,7 @@ same name. One entry may expand to several tools when the class overrides
 Per-sample selection follows verl: a sample's `tools_kwargs` keys name the tools it may use
 (`select`); a sample without `tools_kwargs` gets every registered tool.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -46,9 +47,13 @@ def import_class(dotted: Any, where: str, base: type) -> type:
         ) from exc
     cls = getattr(module, attr, None)
     if cls is None:
-        raise ToolConfigError(f"{where}.class_name: module {module_name!r} has no attribute {attr!r}; check the class name")
+        raise ToolConfigError(
+            f"{where}.class_name: module {module_name!r} has no attribute {attr!r}; check the class name"
+        )
     if not (isinstance(cls, type) and issubclass(cls, base)):
-        raise ToolConfigError(f"{where}.class_name: {dotted} is not a subclass of {base.__module__}.{base.__name__}; derive from it")
+        raise ToolConfigError(
+            f"{where}.class_name: {dotted} is not a subclass of {base.__module__}.{base.__name__}; derive from it"
+        )
     return cls
 
 
@@ -59,7 +64,9 @@ def read_yaml_list(source: str | Path | dict[str, Any], key: str) -> tuple[list[
     else:
         path = Path(source)
         if not path.is_file():
-            raise ToolConfigError(f"config file {path} does not exist; pass the path of a YAML file with a '{key}:' list")
+            raise ToolConfigError(
+                f"config file {path} does not exist; pass the path of a YAML file with a '{key}:' list"
+            )
         data, label = yaml.safe_load(path.read_text()) or {}, str(path)
     if not isinstance(data, dict) or not isinstance(data.get(key), list):
         raise ToolConfigError(f"{label}: expected a top-level '{key}:' list")

@@ -17,6 +17,7 @@ runner counts both so tests and metrics can assert `created == released`.
 Departs from verl, where a tool exception propagates and kills the rollout batch and a hung
 tool hangs it; the agent loop's token-budget truncation comes on top of the char cap here.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -60,6 +61,7 @@ class ToolLimits:
 
     @classmethod
     def from_config(cls, config: dict[str, Any], tool_name: str) -> ToolLimits:
+        """Limits from a tool's `config`; ValueError naming the tool and the bad key."""
         limits = cls(
             max_concurrency=int(config.get("max_concurrency", cls.max_concurrency)),
             rate_limit=None if config.get("rate_limit") is None else float(config["rate_limit"]),
@@ -69,11 +71,15 @@ class ToolLimits:
         if limits.max_concurrency < 1:
             raise ValueError(f"tool {tool_name!r}: config.max_concurrency must be >= 1, got {limits.max_concurrency}")
         if limits.rate_limit is not None and limits.rate_limit <= 0:
-            raise ValueError(f"tool {tool_name!r}: config.rate_limit must be > 0 calls/s (or omitted), got {limits.rate_limit}")
+            raise ValueError(
+                f"tool {tool_name!r}: config.rate_limit must be > 0 calls/s (or omitted), got {limits.rate_limit}"
+            )
         if limits.timeout_s <= 0:
             raise ValueError(f"tool {tool_name!r}: config.timeout_s must be > 0, got {limits.timeout_s}")
         if limits.max_response_chars < 1:
-            raise ValueError(f"tool {tool_name!r}: config.max_response_chars must be >= 1, got {limits.max_response_chars}")
+            raise ValueError(
+                f"tool {tool_name!r}: config.max_response_chars must be >= 1, got {limits.max_response_chars}"
+            )
         return limits
 
 
@@ -123,7 +129,9 @@ class ToolRunner:
     async def release(self, instance_id: str, **release_kwargs: Any) -> None:
         """Release an instance; errors and timeouts are logged, never raised."""
         if instance_id not in self.live_instances:
-            logger.warning("tool %r: release of unknown or already released instance %r ignored", self.name, instance_id)
+            logger.warning(
+                "tool %r: release of unknown or already released instance %r ignored", self.name, instance_id
+            )
             return
         self.live_instances.discard(instance_id)
         self.num_released += 1
@@ -161,8 +169,10 @@ class ToolRunner:
                 raw = await asyncio.wait_for(
                     self.tool.execute(instance_id, parameters, **execute_kwargs), self.limits.timeout_s
                 )
-            except asyncio.TimeoutError:
-                logger.warning("tool %r timed out after %.1fs (instance %s)", self.name, self.limits.timeout_s, instance_id)
+            except TimeoutError:
+                logger.warning(
+                    "tool %r timed out after %.1fs (instance %s)", self.name, self.limits.timeout_s, instance_id
+                )
                 return ToolCallResult(
                     text=f"Error: tool '{self.name}' timed out after {self.limits.timeout_s:g}s and was stopped.",
                     error="timeout",

@@ -27,6 +27,7 @@ where namespaces are allowed) for real isolation.
 Departs from typical RL sandboxes (SandboxFusion, E2B): no server, no container image; a run
 costs one `python3` start (~30 ms) and works offline on any Linux host.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -77,8 +78,16 @@ class SandboxLimits:
     max_output_bytes: int = 16384  # per stream (stdout, stderr)
 
     def __post_init__(self) -> None:
-        for name in ("wall_timeout_s", "cpu_time_s", "memory_mb", "file_size_mb", "max_processes", "max_open_files",
-                     "disk_mb", "max_output_bytes"):
+        for name in (
+            "wall_timeout_s",
+            "cpu_time_s",
+            "memory_mb",
+            "file_size_mb",
+            "max_processes",
+            "max_open_files",
+            "disk_mb",
+            "max_output_bytes",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)}")
 
@@ -167,16 +176,22 @@ class Sandbox:
             raise ValueError(f"sandbox isolation must be 'auto', 'namespaces' or 'rlimits', got {isolation!r}")
         has_ns = isolation != "rlimits" and namespaces_available(unshare, self.as_root)
         if isolation == "namespaces" and not has_ns:
-            raise RuntimeError("sandbox isolation 'namespaces' requested but `unshare` cannot create namespaces here; "
-                               "install util-linux or use isolation='auto'")
+            raise RuntimeError(
+                "sandbox isolation 'namespaces' requested but `unshare` cannot create namespaces here; "
+                "install util-linux or use isolation='auto'"
+            )
         if self.drop_privileges and shutil.which("setpriv") is None and has_ns:
             raise RuntimeError("running as root needs `setpriv` (util-linux) to drop privileges inside the sandbox")
         self.isolation = "namespaces" if has_ns else "rlimits"
         if self.isolation == "rlimits" and isolation == "auto":
-            logger.warning("sandbox: Linux namespaces unavailable; falling back to rlimits + audit hook (weaker isolation)")
+            logger.warning(
+                "sandbox: Linux namespaces unavailable; falling back to rlimits + audit hook (weaker isolation)"
+            )
         interp_dir = os.path.realpath(self.python)
         # Never hide the interpreter's own installation.
-        self.hidden_paths = tuple(p for p in hidden_paths if os.path.isdir(p) and not interp_dir.startswith(p.rstrip("/") + "/"))
+        self.hidden_paths = tuple(
+            p for p in hidden_paths if os.path.isdir(p) and not interp_dir.startswith(p.rstrip("/") + "/")
+        )
         self._unshare = unshare
 
     def _preexec(self) -> None:
@@ -193,13 +208,17 @@ class Sandbox:
     def _namespace_argv(self) -> list[str]:
         # Runs as (namespace) root first to set up mounts, then starts python as a child of the
         # shell (not exec: PID 1 of a namespace ignores signals such as SIGXCPU).
-        setup = [f"mount -t tmpfs -o size={self.limits.disk_mb}m,mode=1777 tmpfs /tmp",
-                 "mount -t tmpfs -o size=1m,mode=1777 tmpfs /dev/shm 2>/dev/null || true"]
+        setup = [
+            f"mount -t tmpfs -o size={self.limits.disk_mb}m,mode=1777 tmpfs /tmp",
+            "mount -t tmpfs -o size=1m,mode=1777 tmpfs /dev/shm 2>/dev/null || true",
+        ]
         setup += [f"mount -t tmpfs -o size=16k,mode=755,ro tmpfs '{p}'" for p in self.hidden_paths]
         drop = ""
         if self.drop_privileges:
-            drop = (f"setpriv --reuid={NOBODY_UID} --regid={NOBODY_GID} --clear-groups --no-new-privs "
-                    "--inh-caps=-all --bounding-set=-all -- ")
+            drop = (
+                f"setpriv --reuid={NOBODY_UID} --regid={NOBODY_GID} --clear-groups --no-new-privs "
+                "--inh-caps=-all --bounding-set=-all -- "
+            )
         script = " && ".join(setup) + f" && cd /tmp && {drop}'{self.python}' -I -"
         return [self._unshare, *_unshare_flags(self.as_root), "--", "/bin/sh", "-c", script]
 
@@ -216,18 +235,38 @@ class Sandbox:
             if self.drop_privileges:
                 os.chown(workdir, NOBODY_UID, NOBODY_GID)
                 kwargs = {"user": NOBODY_UID, "group": NOBODY_GID, "extra_groups": []}
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": cwd if workdir else "/tmp",
-               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "LANG": "C.UTF-8",
+            "HOME": cwd if workdir else "/tmp",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
         try:
             proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                cwd=cwd, env=env, start_new_session=True, preexec_fn=self._preexec, **kwargs,
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                cwd=cwd,
+                env=env,
+                start_new_session=True,
+                preexec_fn=self._preexec,
+                **kwargs,
             )
         except OSError as exc:
             if workdir:
                 shutil.rmtree(workdir, ignore_errors=True)
-            return SandboxResult("", f"could not start the sandbox: {exc}", None, False, False,
-                                 time.monotonic() - start, self.isolation, ["sandbox failed to start"])
+            return SandboxResult(
+                "",
+                f"could not start the sandbox: {exc}",
+                None,
+                False,
+                False,
+                time.monotonic() - start,
+                self.isolation,
+                ["sandbox failed to start"],
+            )
         max_bytes = self.limits.max_output_bytes
         readers = asyncio.gather(_read_capped(proc.stdout, max_bytes), _read_capped(proc.stderr, max_bytes))
         timed_out = False
@@ -241,7 +280,7 @@ class Sandbox:
                 proc.stdin.close()
             try:
                 await asyncio.wait_for(proc.wait(), self.limits.wall_timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 timed_out = True
         finally:
             _kill_group(proc.pid)
@@ -251,15 +290,19 @@ class Sandbox:
         try:
             # Processes that escaped the group could hold the pipes open: do not wait for them.
             (out, out_cut), (err, err_cut) = await asyncio.wait_for(readers, 2.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             (out, out_cut), (err, err_cut) = (b"", True), (b"", True)
         exit_code = proc.returncode
         if self.isolation == "namespaces" and exit_code is not None and exit_code > 128:
             exit_code = 128 - exit_code  # the namespace's shell reports "killed by signal N" as 128 + N
         result = SandboxResult(
-            stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace"),
-            exit_code=exit_code, timed_out=timed_out, truncated=out_cut or err_cut,
-            duration_s=time.monotonic() - start, isolation=self.isolation,
+            stdout=out.decode("utf-8", "replace"),
+            stderr=err.decode("utf-8", "replace"),
+            exit_code=exit_code,
+            timed_out=timed_out,
+            truncated=out_cut or err_cut,
+            duration_s=time.monotonic() - start,
+            isolation=self.isolation,
         )
         result.notes = self._notes(result)
         return result

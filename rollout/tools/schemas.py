@@ -10,6 +10,7 @@ Departs from verl's pydantic models: these are dataclasses built by `from_dict`,
 the schema itself (with `jsonschema`'s meta-schema) when the YAML is loaded, so a bad schema
 fails at start-up naming the field, not mid-rollout.
 """
+
 from __future__ import annotations
 
 import json
@@ -96,7 +97,9 @@ def _check_parameters(parameters: Any, where: str) -> None:
     if not isinstance(parameters, dict):
         raise ToolSchemaError(f"{where}: must be a JSON-schema mapping, got {type(parameters).__name__}")
     if parameters.get("type") != "object":
-        raise ToolSchemaError(f"{where}.type: must be 'object' (arguments are a JSON object), got {parameters.get('type')!r}")
+        raise ToolSchemaError(
+            f"{where}.type: must be 'object' (arguments are a JSON object), got {parameters.get('type')!r}"
+        )
     try:
         jsonschema.Draft202012Validator.check_schema(parameters)
     except jsonschema.SchemaError as exc:
@@ -107,7 +110,9 @@ def _check_parameters(parameters: Any, where: str) -> None:
         typ = sub.get("type") if isinstance(sub, dict) else None
         types = typ if isinstance(typ, list) else [typ]
         if typ is not None and not set(types) <= _PARAMETER_TYPES:
-            raise ToolSchemaError(f"{where}.properties.{prop}.type: unknown type {typ!r}; use one of {sorted(_PARAMETER_TYPES)}")
+            raise ToolSchemaError(
+                f"{where}.properties.{prop}.type: unknown type {typ!r}; use one of {sorted(_PARAMETER_TYPES)}"
+            )
     for req in parameters.get("required", []):
         if req not in properties:
             raise ToolSchemaError(f"{where}.required: {req!r} is required but not listed in properties; add it there")
@@ -145,6 +150,3 @@ class ToolResponse:
     text: str | None = None
     image: list[Any] | None = None  # multi-modal payloads, passed through untouched
     video: list[Any] | None = None
-
-    def is_empty(self) -> bool:
-        return not self.text and not self.image and not self.video

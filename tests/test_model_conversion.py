@@ -1,0 +1,181 @@
+"""HF <-> Megatron conversion in one process (TP = PP = 1, gloo): config checks, layout refusal,
+bad-checkpoint errors, and exact round trips for Qwen2 (tied and untied, QKV bias) and Llama."""
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_workers import check_parity, parallel
+from megatron_workers import model as conversion
+
+pytestmark = pytest.mark.unit
+
+TINY = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256, intermediate_size=128)
+
+
+def write_hf_checkpoint(out_dir: Path, *, tied: bool, family: str = "qwen2", seed: int = 0) -> Path:
+    """Save a seeded random HF checkpoint; biases and norm weights are made non-trivial so that a
+    wrong QKV interleaving or a swapped norm shows up in the logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    if family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=tied, architectures=["Qwen2ForCausalLM"]))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=tied, rope_theta=5e5,
+                                             architectures=["LlamaForCausalLM"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.5)
+            elif "norm" in name:
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """torch.distributed + Megatron groups for a single gloo rank, torn down after the module."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    parallel.init_distributed(0, 1, "127.0.0.1", port, tp=1, pp=1, seed=0)
+    yield
+    parallel.destroy()
+
+
+def _qwen2_config(**changes):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**{**TINY, **changes})
+
+
+@pytest.mark.parametrize(
+    "config, field",
+    [
+        ({**TINY, "model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "architectures"),
+        ({**TINY, "model_type": "qwen3"}, "model_type"),
+        ({**TINY, "model_type": "llama", "rope_theta": 1e4, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+         "rope_scaling"),
+        ({**TINY, "model_type": "qwen2", "rope_theta": 1e4, "use_sliding_window": True}, "use_sliding_window"),
+        ({**TINY, "model_type": "llama", "rope_theta": 1e4, "attention_bias": True}, "attention_bias"),
+        ({**TINY, "model_type": "qwen2", "rope_theta": 1e4, "hidden_act": "gelu"}, "hidden_act"),
+    ],
+)
+def test_unsupported_config_names_the_field(config, field):
+    """Contract: an architecture the conversion cannot reproduce is refused with the config field's name."""
+    with pytest.raises(ValueError, match=field):
+        conversion.read_decoder_shape(config)
+
+
+def test_config_maps_onto_megatron():
+    """Contract: GQA groups, head dim, QKV bias, RMSNorm eps and SwiGLU reach TransformerConfig."""
+    cfg = conversion.hf_to_transformer_config(_qwen2_config(rms_norm_eps=1e-5))
+    assert (cfg.num_query_groups, cfg.kv_channels, cfg.ffn_hidden_size) == (2, 16, 128)
+    assert cfg.add_qkv_bias and not cfg.add_bias_linear and cfg.gated_linear_unit
+    assert cfg.normalization == "RMSNorm" and cfg.layernorm_epsilon == 1e-5
+    assert cfg.hidden_dropout == 0.0 and cfg.attention_dropout == 0.0
+
+
+@pytest.mark.parametrize(
+    "tp, pp, message",
+    [
+        (3, 1, "num_attention_heads=4 is not divisible by tp=3"),
+        (4, 1, "num_key_value_heads=2 is not divisible by tp=4"),
+        (1, 3, "num_hidden_layers=4 is not divisible by pp=3"),
+    ],
+)
+def test_layout_refused_with_field_and_fix(tp, pp, message):
+    """Contract: a TP/PP layout the model cannot take is refused, naming the field and what to change."""
+    with pytest.raises(ValueError, match=message) as err:
+        parallel.validate_layout(_qwen2_config(), tp, pp)
+    assert "choose a" in str(err.value)
+
+
+def test_layout_accepted():
+    """Contract: layouts that divide heads, KV heads, FFN, vocab and layers pass."""
+    for tp, pp in [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4)]:
+        parallel.validate_layout(_qwen2_config(), tp, pp)
+
+
+def test_parity_refuses_bad_layout_before_spawning(tmp_path, monkeypatch):
+    """Contract: the parity CLI validates the layout before any process starts."""
+    ckpt = write_hf_checkpoint(tmp_path / "ckpt", tied=False)
+
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("a process was spawned for an invalid layout")
+
+    monkeypatch.setattr(check_parity.mp, "spawn", no_spawn)
+    with pytest.raises(ValueError, match="pp=3"):
+        check_parity.run_parity(ckpt, tp=1, pp=3)
+
+
+def test_state_dict_check_names_missing_and_misshaped_tensors():
+    """Contract: a checkpoint that does not match its config fails with the HF tensor names and shapes."""
+    config = _qwen2_config()
+    shapes = conversion.hf_tensor_shapes(config)
+    state = {name: torch.zeros(shape) for name, shape in shapes.items()}
+    del state["model.layers.3.mlp.up_proj.weight"]
+    state["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(48, 64)
+    with pytest.raises(ValueError) as err:
+        conversion.check_hf_state_dict(state, config)
+    text = str(err.value)
+    assert "missing tensor model.layers.3.mlp.up_proj.weight (expected shape (128, 64))" in text
+    assert "model.layers.1.self_attn.k_proj.weight: expected shape (32, 64), got (48, 64)" in text
+
+
+@pytest.mark.parametrize("family, tied", [("qwen2", False), ("qwen2", True), ("llama", False)])
+def test_roundtrip_and_logits_single_rank(world_of_one, tmp_path, family, tied):
+    """Contract: HF -> Megatron -> HF is bit-exact, and Megatron's logits match transformers'
+    (right-padded batch, causal + padding mask) within 1e-4 on valid positions."""
+    ckpt = write_hf_checkpoint(tmp_path / "ckpt", tied=tied, family=family)
+    hf_config, state = conversion.load_hf_checkpoint(ckpt)
+    assert ("lm_head.weight" in state) == (not tied)
+    gpt = conversion.build_gpt_model(hf_config).eval()
+    conversion.load_hf_weights(gpt, state, hf_config)
+
+    exported = conversion.export_hf_state_dict(gpt, hf_config)
+    assert list(exported) == list(conversion.hf_tensor_shapes(hf_config))
+    assert set(exported) == set(state)
+    for name, tensor in state.items():
+        assert torch.equal(exported[name], tensor), name
+
+    batch = check_parity.make_batch(256, seed=1)
+    ids = batch.input_ids
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        logits = gpt(ids, positions, check_parity.megatron_attention_mask(batch.attention_mask))  # (B, T, V)
+    ref_logits, _ = check_parity.hf_reference(ckpt, batch)
+    valid = batch.attention_mask.bool()
+    assert (logits[valid] - ref_logits[valid]).abs().max().item() < 1e-4
+
+
+def test_load_names_missing_tensor_and_wrong_shape(world_of_one, tmp_path):
+    """Contract: loading a checkpoint into Megatron fails before copying, naming the HF tensor."""
+    ckpt = write_hf_checkpoint(tmp_path / "ckpt", tied=False)
+    hf_config, state = conversion.load_hf_checkpoint(ckpt)
+    gpt = conversion.build_gpt_model(hf_config)
+    before = {n: p.detach().clone() for n, p in gpt.named_parameters()}
+
+    missing = {k: v for k, v in state.items() if k != "model.layers.2.self_attn.v_proj.bias"}
+    with pytest.raises(ValueError, match=r"missing tensor model\.layers\.2\.self_attn\.v_proj\.bias"):
+        conversion.load_hf_weights(gpt, missing, hf_config)
+
+    wrong = dict(state, **{"model.norm.weight": torch.ones(65)})
+    with pytest.raises(ValueError, match=r"model\.norm\.weight: expected shape \(64,\), got \(65,\)"):
+        conversion.load_hf_weights(gpt, wrong, hf_config)
+    assert all(torch.equal(p, before[n]) for n, p in gpt.named_parameters())
+
+
+def test_load_checkpoint_without_weights_names_the_fix(tmp_path):
+    """Contract: a directory without safetensors weights is refused with what to do."""
+    from transformers import Qwen2Config
+
+    Qwen2Config(**TINY).save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        conversion.load_hf_checkpoint(tmp_path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import shutil
 import socket
 import threading
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from rollout.tools import ToolRegistry
-from rollout.tools.sandbox import NOBODY_UID, namespaces_available
+from rollout.tools.sandbox import namespaces_available
 
 AS_ROOT = os.geteuid() == 0
 MODES = [
@@ -33,7 +34,10 @@ MODES = [
 
 
 def python_runner(isolation: str, **overrides):
+    """The `python` tool behind its runner; each runner draws sandbox uids from its own range."""
+    low = random.randrange(10_000_000, 900_000_000)
     config = {
+        "uid_range": [low, low + 1000],
         "isolation": isolation,
         "timeout_s": 6,
         "cpu_time_s": 3,
@@ -76,24 +80,25 @@ def run_code(runner, code: str):
     return asyncio.run(go())
 
 
-def nobody_processes() -> set[int]:
-    """Live (not zombie) processes of the sandbox user."""
+def sandbox_processes(runner) -> set[int]:
+    """Live (not zombie) processes running as one of the runner's sandbox uids."""
+    low, high = runner.tool.sandbox.uid_range
     pids = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if entry.stat().st_uid == NOBODY_UID and state not in ("Z", "X"):
+                if low <= entry.stat().st_uid < high and state not in ("Z", "X"):
                     pids.add(int(entry.name))
             except (FileNotFoundError, ProcessLookupError, IndexError):
                 pass
     return pids
 
 
-def survivors(before: set[int]) -> set[int]:
-    """Sandbox processes started after `before` that are still alive (SIGKILLed ones get a moment to exit)."""
+def survivors(runner) -> set[int]:
+    """Sandbox processes still alive after a run (SIGKILLed ones get a moment to exit)."""
     deadline = time.monotonic() + 3.0
-    while (left := nobody_processes() - before) and time.monotonic() < deadline:
+    while (left := sandbox_processes(runner)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
 
@@ -173,8 +178,7 @@ def test_network_is_unreachable(isolation):
 def test_fork_bomb_is_limited_and_cleaned_up(isolation):
     """Containment: forking 1000 processes stops at the process limit; no forked process outlives the run."""
     if not AS_ROOT:
-        pytest.skip("RLIMIT_NPROC is only meaningful here when privileges are dropped to a dedicated user")
-    before = nobody_processes()
+        pytest.skip("RLIMIT_NPROC is enforced only when privileges are dropped to a sandbox uid")
     code = """
 import os, time
 n = 0
@@ -195,7 +199,7 @@ print("FORKED", n)
     assert "FORK FAILED" in result.text
     forked = int(result.text.split("FORKED ")[1].split()[0])
     assert forked < 32
-    leftovers = survivors(before)
+    leftovers = survivors(runner)
     assert leftovers == set(), f"sandbox processes survived the run: {leftovers}"
     assert_later_calls_work(runner)
 
@@ -228,12 +232,11 @@ def test_infinite_loop_is_killed_and_reported(isolation):
 def test_runner_timeout_cancels_and_kills_the_sandbox(isolation):
     """Cancellation: when the runner's timeout fires first, the sandbox's process group is killed, not leaked."""
     if not AS_ROOT:
-        pytest.skip("processes are identified by the dropped-to user")
-    before = nobody_processes()
+        pytest.skip("processes are identified by the sandbox uid, drawn only when privileges are dropped")
     runner = python_runner(isolation, timeout_s=1, wall_timeout_s=60, cpu_time_s=60)
     result = run_code(runner, "import time\ntime.sleep(60)")
     assert result.timed_out and "timed out after 1s" in result.text
-    assert survivors(before) == set()
+    assert survivors(runner) == set()
     assert_later_calls_work(runner)
 
 
@@ -269,3 +272,38 @@ def test_empty_code_argument_is_reported():
     """A call without code gets an error message naming the argument, not a crash."""
     result = run_code(python_runner("rlimits"), "   ")
     assert "argument 'code' must be non-empty Python code" in result.text
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("isolation", MODES)
+def test_concurrent_runs_get_distinct_unprivileged_uids(isolation):
+    """Concurrent runs run as different unprivileged uids, so they cannot signal each other or share a
+    process quota; each one's output is its own."""
+    if not AS_ROOT:
+        pytest.skip("uids are drawn only when privileges are dropped")
+    runner = python_runner(isolation)
+
+    async def go():
+        async def one(k):
+            async with runner.session() as iid:
+                return await runner.execute(iid, {"code": f"import os\nprint(os.getuid(), os.getgid(), {k})"})
+
+        return await asyncio.gather(*(one(k) for k in range(4)))
+
+    results = asyncio.run(go())
+    low, high = runner.tool.sandbox.uid_range
+    ids = [tuple(int(x) for x in r.text.split("stdout:\n")[1].split()) for r in results]
+    assert [k for _, _, k in ids] == [0, 1, 2, 3]
+    uids = [uid for uid, _, _ in ids]
+    assert len(set(uids)) == 4 and all(low <= u < high for u in uids)
+    assert all(uid == gid for uid, gid, _ in ids)
+    assert [r.metrics["uid"] for r in results] == uids
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("isolation", MODES)
+def test_output_printed_before_a_kill_is_kept(isolation):
+    """Output is unbuffered: what the code printed before it was killed still reaches the model."""
+    runner = python_runner(isolation, timeout_s=3, cpu_time_s=1)
+    result = run_code(runner, "print('step 1 done')\nwhile True:\n    pass")
+    assert "stdout:\nstep 1 done" in result.text and result.metrics["exit_code"] < 0

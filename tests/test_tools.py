@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from rollout.tools import (
     BaseTool,
@@ -515,3 +518,35 @@ def test_gsm8k_tool_feedback_and_rewards():
     with pytest.raises(ValueError, match="create_kwargs.ground_truth"):
         asyncio.run(runner.create())
     assert registry.counts() == {"calc_gsm8k_reward": (1, 1)}
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@pytest.mark.unit
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(raw=st.one_of(st.text(max_size=60), json_values.map(json.dumps), json_values))
+def test_malformed_calls_never_raise_and_never_reach_the_tool_with_bad_arguments(raw):
+    """Fuzz (1,000 cases): whatever arguments a model emits (broken JSON, wrong types, non-objects), decoding
+    and running the call returns a result; the tool only ever sees arguments that fit its schema."""
+    seen = []
+
+    async def behaviour(params):
+        seen.append(params)
+        return "ok", 0.0, {}
+
+    runner = scripted(behaviour)
+    call, decode_error = OpenAIFunctionCallSchema.from_raw(
+        "t", raw if isinstance(raw, (str, dict)) else json.dumps(raw)
+    )
+    result = asyncio.run(runner.execute("i", call.arguments if decode_error is None else raw))
+    assert isinstance(result.text, str) and result.text
+    for params in seen:
+        assert runner.tool.tool_schema.validate_arguments(params) == []
+        assert isinstance(params, dict) and ("x" not in params or type(params["x"]) is int)
+    if result.error is None:
+        assert seen and result.text == "ok"

@@ -7,7 +7,7 @@ size, truncated output). The step reward is 0.0: this tool computes, it does not
 Config keys (YAML `config`): `timeout_s` is the runner's limit and, minus one second, the
 sandbox's wall-clock limit; `cpu_time_s`, `memory_mb`, `file_size_mb`, `max_processes`,
 `disk_mb`, `max_output_bytes` map to `SandboxLimits`; `isolation` ("auto" | "namespaces" |
-"rlimits"); `python_executable`.
+"rlimits"); `python_executable`; `uid_range` ([low, high): uids drawn per run when running as root).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import fields
 from typing import Any
 
 from rollout.tools.base import BaseTool
-from rollout.tools.sandbox import Sandbox, SandboxLimits
+from rollout.tools.sandbox import DEFAULT_UID_RANGE, Sandbox, SandboxLimits
 from rollout.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 
@@ -35,6 +35,7 @@ class PythonTool(BaseTool):
             SandboxLimits(**limits),
             isolation=self.config.get("isolation", "auto"),
             python_executable=self.config.get("python_executable"),
+            uid_range=tuple(self.config.get("uid_range", DEFAULT_UID_RANGE)),
         )
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any):
@@ -52,5 +53,6 @@ class PythonTool(BaseTool):
             "truncated": result.truncated,
             "duration_s": result.duration_s,
             "isolation": result.isolation,
+            "uid": result.uid,
         }
         return ToolResponse(text=result.to_text()), 0.0, metrics

@@ -8,9 +8,11 @@ Every run gets a fresh process with, in order of strength:
    mount namespaces. In the mount namespace `/tmp` and `/dev/shm` are fresh size-limited tmpfs
    (`/tmp` is the run's own working directory, gone after the run) and the directories in
    `hidden_paths` (`/root`, `/home`, `/work`, ...) are covered by empty read-only tmpfs.
-2. **Dropped privileges**: when the host runs as root, the code runs as `nobody` with no
-   capabilities and `no_new_privs` (`setpriv`), so root-only files (`/etc/shadow`, other temp
-   dirs made by `mkdtemp`) are unreadable and `RLIMIT_NPROC` is enforced (root ignores it).
+2. **Dropped privileges**: when the host runs as root, each run gets a fresh unprivileged uid/gid
+   drawn from `uid_range` (no passwd entry, no capabilities, `no_new_privs` via `setpriv`), so
+   root-only files (`/etc/shadow`, other temp dirs made by `mkdtemp`) are unreadable,
+   `RLIMIT_NPROC` is enforced (root ignores it) and counted per run, and concurrent runs cannot
+   signal each other or use up each other's process quota (as they could sharing `nobody`).
 3. **Resource limits**: CPU time (`RLIMIT_CPU`), address space (`RLIMIT_AS`), file size
    (`RLIMIT_FSIZE`), processes (`RLIMIT_NPROC`), open files, no core dumps.
 4. **Wall-clock timeout**: the whole process group (and with it the PID namespace) is killed.
@@ -34,6 +36,7 @@ import asyncio
 import functools
 import logging
 import os
+import random
 import resource
 import shutil
 import signal
@@ -46,8 +49,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-NOBODY_UID = 65534
-NOBODY_GID = 65534
+DEFAULT_UID_RANGE = (1_000_000, 1_000_000_000)  # uids with no passwd entry, one drawn per run
 DEFAULT_HIDDEN_PATHS = ("/root", "/home", "/work", "/var/tmp", "/mnt", "/srv", "/run", "/builds")
 
 # Installed before user code in "rlimits" isolation only: refuses the events that reach
@@ -103,6 +105,7 @@ class SandboxResult:
     truncated: bool  # stdout or stderr exceeded max_output_bytes
     duration_s: float
     isolation: str  # "namespaces" or "rlimits"
+    uid: int | None = None  # uid the code ran as (None: privileges were not dropped)
     notes: list[str] = field(default_factory=list)  # human-readable reasons (limits hit)
 
     def to_text(self) -> str:
@@ -166,6 +169,7 @@ class Sandbox:
         isolation: str = "auto",
         python_executable: str | None = None,
         hidden_paths: tuple[str, ...] = DEFAULT_HIDDEN_PATHS,
+        uid_range: tuple[int, int] = DEFAULT_UID_RANGE,
     ):
         self.limits = limits or SandboxLimits()
         self.as_root = os.geteuid() == 0
@@ -193,6 +197,19 @@ class Sandbox:
             p for p in hidden_paths if os.path.isdir(p) and not interp_dir.startswith(p.rstrip("/") + "/")
         )
         self._unshare = unshare
+        if not (0 < uid_range[0] < uid_range[1]) or uid_range[0] < 1000:
+            raise ValueError(f"sandbox uid_range must be (low, high) with 1000 <= low < high, got {uid_range}")
+        self.uid_range = (int(uid_range[0]), int(uid_range[1]))
+        self._uids_in_use: set[int] = set()
+        self._random = random.SystemRandom()
+
+    def _take_uid(self) -> int | None:
+        if not self.drop_privileges:
+            return None
+        while (uid := self._random.randrange(*self.uid_range)) in self._uids_in_use:
+            pass
+        self._uids_in_use.add(uid)
+        return uid
 
     def _preexec(self) -> None:
         """Runs in the child before exec: resource limits (inherited by everything it starts)."""
@@ -205,7 +222,7 @@ class Sandbox:
         resource.setrlimit(resource.RLIMIT_NOFILE, (lim.max_open_files, lim.max_open_files))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
-    def _namespace_argv(self) -> list[str]:
+    def _namespace_argv(self, uid: int | None) -> list[str]:
         # Runs as (namespace) root first to set up mounts, then starts python as a child of the
         # shell (not exec: PID 1 of a namespace ignores signals such as SIGXCPU).
         setup = [
@@ -214,34 +231,36 @@ class Sandbox:
         ]
         setup += [f"mount -t tmpfs -o size=16k,mode=755,ro tmpfs '{p}'" for p in self.hidden_paths]
         drop = ""
-        if self.drop_privileges:
+        if uid is not None:
             drop = (
-                f"setpriv --reuid={NOBODY_UID} --regid={NOBODY_GID} --clear-groups --no-new-privs "
+                f"setpriv --reuid={uid} --regid={uid} --clear-groups --no-new-privs "
                 "--inh-caps=-all --bounding-set=-all -- "
             )
-        script = " && ".join(setup) + f" && cd /tmp && {drop}'{self.python}' -I -"
+        script = " && ".join(setup) + f" && cd /tmp && {drop}'{self.python}' -I -u -"
         return [self._unshare, *_unshare_flags(self.as_root), "--", "/bin/sh", "-c", script]
 
     async def run(self, code: str) -> SandboxResult:
         """Run `code` as a script; never raises for anything the code does."""
+        uid = self._take_uid()
+        workdir = None if self.isolation == "namespaces" else tempfile.mkdtemp(prefix="polyturn-sandbox-")
+        try:
+            return await self._run(code, uid, workdir)
+        finally:
+            self._uids_in_use.discard(uid)
+            if workdir:
+                shutil.rmtree(workdir, ignore_errors=True)
+
+    async def _run(self, code: str, uid: int | None, workdir: str | None) -> SandboxResult:
         start = time.monotonic()
-        workdir = None
         kwargs: dict = {}
-        if self.isolation == "namespaces":
-            argv, cwd, payload = self._namespace_argv(), "/", code
+        if workdir is None:
+            argv, cwd = self._namespace_argv(uid), "/"
         else:
-            workdir = tempfile.mkdtemp(prefix="polyturn-sandbox-")
-            argv, cwd, payload = [self.python, "-I", "-c", _AUDIT_PRELUDE], workdir, code
-            if self.drop_privileges:
-                os.chown(workdir, NOBODY_UID, NOBODY_GID)
-                kwargs = {"user": NOBODY_UID, "group": NOBODY_GID, "extra_groups": []}
-        env = {
-            "PATH": "/usr/bin:/bin",
-            "LANG": "C.UTF-8",
-            "HOME": cwd if workdir else "/tmp",
-            "PYTHONDONTWRITEBYTECODE": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
+            argv, cwd = [self.python, "-I", "-u", "-c", _AUDIT_PRELUDE], workdir
+            if uid is not None:
+                os.chown(workdir, uid, uid)
+                kwargs = {"user": uid, "group": uid, "extra_groups": []}
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir or "/tmp"}
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
@@ -255,24 +274,23 @@ class Sandbox:
                 **kwargs,
             )
         except OSError as exc:
-            if workdir:
-                shutil.rmtree(workdir, ignore_errors=True)
             return SandboxResult(
-                "",
-                f"could not start the sandbox: {exc}",
-                None,
-                False,
-                False,
-                time.monotonic() - start,
-                self.isolation,
-                ["sandbox failed to start"],
+                stdout="",
+                stderr=f"could not start the sandbox: {exc}",
+                exit_code=None,
+                timed_out=False,
+                truncated=False,
+                duration_s=time.monotonic() - start,
+                isolation=self.isolation,
+                uid=uid,
+                notes=["sandbox failed to start"],
             )
         max_bytes = self.limits.max_output_bytes
         readers = asyncio.gather(_read_capped(proc.stdout, max_bytes), _read_capped(proc.stderr, max_bytes))
         timed_out = False
         try:
             try:
-                proc.stdin.write(payload.encode())
+                proc.stdin.write(code.encode())
                 await proc.stdin.drain()
             except (BrokenPipeError, ConnectionResetError):
                 pass
@@ -283,17 +301,16 @@ class Sandbox:
             except TimeoutError:
                 timed_out = True
         finally:
+            # Also on cancellation: the group (and with it the PID namespace) never outlives the run.
             _kill_group(proc.pid)
             await proc.wait()
-            if workdir:
-                shutil.rmtree(workdir, ignore_errors=True)
         try:
             # Processes that escaped the group could hold the pipes open: do not wait for them.
             (out, out_cut), (err, err_cut) = await asyncio.wait_for(readers, 2.0)
         except TimeoutError:
             (out, out_cut), (err, err_cut) = (b"", True), (b"", True)
         exit_code = proc.returncode
-        if self.isolation == "namespaces" and exit_code is not None and exit_code > 128:
+        if workdir is None and exit_code is not None and exit_code > 128:
             exit_code = 128 - exit_code  # the namespace's shell reports "killed by signal N" as 128 + N
         result = SandboxResult(
             stdout=out.decode("utf-8", "replace"),
@@ -303,6 +320,7 @@ class Sandbox:
             truncated=out_cut or err_cut,
             duration_s=time.monotonic() - start,
             isolation=self.isolation,
+            uid=uid,
         )
         result.notes = self._notes(result)
         return result

@@ -307,3 +307,17 @@ def test_output_printed_before_a_kill_is_kept(isolation):
     runner = python_runner(isolation, timeout_s=3, cpu_time_s=1)
     result = run_code(runner, "print('step 1 done')\nwhile True:\n    pass")
     assert "stdout:\nstep 1 done" in result.text and result.metrics["exit_code"] < 0
+
+
+@pytest.mark.unit
+def test_shipped_python_tool_config_runs_code():
+    """tool_configs/python_tool_config.yaml builds a working `python` tool with the best isolation available."""
+    registry = ToolRegistry.from_config(
+        Path(__file__).resolve().parents[1] / "tool_configs" / "python_tool_config.yaml"
+    )
+    runner = registry.runner("python")
+    result = run_code(runner, "import math\nprint(math.factorial(10))")
+    assert result.error is None and "stdout:\n3628800" in result.text
+    expected = "namespaces" if namespaces_available(shutil.which("unshare"), AS_ROOT) else "rlimits"
+    assert result.metrics["isolation"] == expected
+    assert registry.counts() == {"python": (1, 1)}

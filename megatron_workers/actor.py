@@ -1,0 +1,498 @@
+"""Actor and reference policy on Megatron-Core: log-probs, entropy, PPO and SFT updates.
+
+`MegatronActor` lives inside one Ray actor per rank (see `worker_group.py`) and holds this
+rank's shard of a GPTModel built from an HF checkpoint (`model.py`). The reference policy is
+the same class with `ActorConfig.optim=None`: no optimizer, no gradient buffers.
+
+Batch layout (verl's): `input_ids`, `attention_mask`, `position_ids` are `(B, S)`;
+`responses`, `response_mask` are `(B, T)` and the response is the last `T` columns of the
+sequence (prompt left-padded, response right-padded). `response_mask` is 1 on tokens the
+policy sampled, 0 on tool / user / template tokens and padding.
+
+Where it departs from the textbook training loop:
+
+- Loss aggregation is the caller's. `update_policy(batch, loss_fn)` calls
+  `loss_fn(mb) -> (loss, metrics)` once per micro-batch with `mb["log_probs"] (b, T)` (with
+  grad), `mb["entropy"]`, the batch's own tensors for those rows and the ints
+  `global_token_count` / `global_seq_count` (response tokens / samples of the whole
+  mini-batch over all micro-batches and DP ranks). The returned loss is that micro-batch's
+  *contribution*: the sum over micro-batches and DP ranks is the mini-batch loss. Megatron's
+  schedule divides by the number of micro-batches and its DDP averages over DP ranks by
+  default; here both are switched to summing (`calculate_per_token_loss=True` and a
+  `finalize_model_grads` that does not rescale), so any `loss_agg_mode` is exact for any
+  micro-batch count, dynamic batching and DP size. `metrics` values follow the same rule
+  (summed over micro-batches and DP ranks, then averaged over mini-batches).
+- Micro-batches are cut to their own padding window (columns that hold a real token in at
+  least one row), so dynamic batching by token count (`use_dynamic_bsz`) saves compute on a
+  padded layout; pipeline stages then exchange variable shapes (`variable_seq_lengths`).
+- Log-probs and entropy are vocab-parallel (`logprobs.py`): the full vocabulary never sits
+  on one rank.
+- A non-finite gradient anywhere refuses the optimizer step with an error naming the
+  mini-batch, instead of writing NaN into the weights; bad input is refused before any
+  forward, naming the sample.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from megatron_workers import cpu_compat  # noqa: F401  (stand-ins before megatron)
+from megatron.core import parallel_state as mpu  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.utils import unwrap_model  # noqa: E402
+
+from megatron_workers import checkpoint, model as mmodel  # noqa: E402
+from megatron_workers.logprobs import vocab_parallel_logprobs_entropy  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[dict[str, Any]], tuple[torch.Tensor, dict[str, Any]]]
+
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")  # (B, S)
+RESPONSE_KEYS = ("responses", "response_mask")  # (B, T)
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and LR schedule (Megatron's Adam + OptimizerParamScheduler)."""
+
+    lr: float = 1e-6  # peak learning rate
+    min_lr: float = 0.0  # floor of the decay
+    lr_warmup_init: float = 0.0  # learning rate at step 0 of the warm-up
+    lr_warmup_steps: int = 0  # optimizer steps of linear warm-up
+    lr_decay_steps: int = 1_000_000  # optimizer steps over which the LR decays to min_lr
+    lr_decay_style: str = "constant"  # constant | linear | cosine | inverse-square-root | WSD
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # max global grad norm (0 disables clipping)
+
+
+@dataclass
+class ActorConfig:
+    """How a rank batches and trains; sizes are per DP rank unless said otherwise."""
+
+    micro_batch_size: int = 4  # rows per micro-batch (when use_dynamic_bsz is False)
+    use_dynamic_bsz: bool = False  # pack micro-batches by token count instead of rows
+    max_token_len: int = 8192  # dynamic micro-batch budget: rows * padded window length
+    ppo_mini_batch_size: int = 0  # samples per optimizer step over all DP ranks; 0 = whole batch
+    ppo_epochs: int = 1  # passes over the batch in update_policy
+    temperature: float = 1.0  # logits are divided by this before the softmax (match the rollout)
+    optim: Optional[OptimConfig] = field(default_factory=OptimConfig)  # None: reference policy
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.use_dynamic_bsz and self.max_token_len < 1:
+            raise ValueError(f"max_token_len must be >= 1 with use_dynamic_bsz, got {self.max_token_len}")
+        if self.ppo_epochs < 1:
+            raise ValueError(f"ppo_epochs must be >= 1, got {self.ppo_epochs}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks and micro-batching (pure tensor code, also used on the driver)
+# ---------------------------------------------------------------------------------------------
+
+
+def validate_batch(batch: Batch, offset: int = 0) -> None:
+    """Refuse a malformed batch; errors name the key and the sample index (`offset` + row).
+
+    Checks: all layout keys present with the shapes above; `responses` equal the last `T`
+    ids of `input_ids` where sampled; every response has at least one sampled token and a
+    prompt token before it; no float tensor (advantages, rewards, old log-probs...) holds NaN/inf.
+    """
+    missing = [k for k in (*SEQUENCE_KEYS, *RESPONSE_KEYS) if k not in batch]
+    if missing:
+        raise ValueError(f"batch lacks {missing}; it needs {SEQUENCE_KEYS + RESPONSE_KEYS}")
+    B, S = batch["input_ids"].shape
+    T = batch["responses"].shape[1] if batch["responses"].dim() == 2 else -1
+    expected = {**{k: (B, S) for k in SEQUENCE_KEYS}, **{k: (B, T) for k in RESPONSE_KEYS}}
+    for k, v in batch.items():
+        want = expected.get(k)
+        if want is not None and tuple(v.shape) != want:
+            raise ValueError(f"batch[{k!r}] has shape {tuple(v.shape)}, expected {want} (input_ids is {(B, S)})")
+        if want is None and v.dim() >= 1 and v.shape[0] != B:
+            raise ValueError(f"batch[{k!r}] has {v.shape[0]} rows, input_ids has {B}")
+    if T > S:
+        raise ValueError(f"responses are longer ({T}) than the sequences ({S})")
+    resp_mask = batch["response_mask"]
+    mismatch = ((batch["input_ids"][:, S - T:] != batch["responses"]) & (resp_mask > 0)).any(dim=1)
+    if mismatch.any():
+        i = int(mismatch.nonzero()[0])
+        raise ValueError(
+            f"sample {offset + i}: responses differ from the last {T} input_ids on masked tokens; "
+            "the response must be the right end of the sequence (prompt left-padded, response right-padded)"
+        )
+    empty = resp_mask.sum(dim=1) == 0
+    if empty.any():
+        i = int(empty.nonzero()[0])
+        raise ValueError(f"sample {offset + i}: empty response (response_mask is all 0); drop it from the batch")
+    no_prompt = batch["attention_mask"][:, S - T - 1] == 0 if T < S else torch.ones(B, dtype=torch.bool)
+    if no_prompt.any():
+        i = int(no_prompt.nonzero()[0])
+        raise ValueError(f"sample {offset + i}: no prompt token right before the response (attention_mask is 0 there)")
+    for k, v in batch.items():
+        if v.is_floating_point():
+            bad = ~torch.isfinite(v.reshape(B, -1)).all(dim=1)
+            if bad.any():
+                i = int(bad.nonzero()[0])
+                raise ValueError(f"sample {offset + i}: batch[{k!r}] holds NaN or inf")
+
+
+@dataclass
+class MicroBatch:
+    """Rows of a batch, cut to the columns [lo, hi) where at least one row has a real token."""
+
+    rows: torch.Tensor  # (b,) indices into the parent batch
+    lo: int  # first kept column of the (B, S) sequence
+    hi: int  # one past the last kept column
+    tensors: Batch  # parent tensors restricted to `rows` (full columns)
+    resp_len: int  # T of the parent batch
+    seq_len: int  # S of the parent batch
+
+    @property
+    def tokens(self) -> int:
+        return len(self.rows) * (self.hi - self.lo)
+
+
+def _window(attention_mask: torch.Tensor, resp_len: int) -> tuple[int, int]:
+    S = attention_mask.shape[1]
+    cols = attention_mask.bool().any(dim=0).nonzero().flatten()
+    lo = min(int(cols[0]), S - resp_len - 1)
+    hi = max(int(cols[-1]) + 1, S - resp_len + 1)
+    return lo, hi
+
+
+def _make_micro_batch(batch: Batch, rows: torch.Tensor) -> MicroBatch:
+    S, T = batch["input_ids"].shape[1], batch["responses"].shape[1]
+    tensors = {k: v.index_select(0, rows) for k, v in batch.items()}
+    lo, hi = _window(tensors["attention_mask"], T)
+    return MicroBatch(rows=rows, lo=lo, hi=hi, tensors=tensors, resp_len=T, seq_len=S)
+
+
+def split_micro_batches(batch: Batch, cfg: ActorConfig) -> list[MicroBatch]:
+    """Fixed-size micro-batches in order, or (use_dynamic_bsz) packs of rows sorted by length
+    whose `rows * window length` stays within `max_token_len` (a longer single row gets its own)."""
+    B = batch["input_ids"].shape[0]
+    if not cfg.use_dynamic_bsz:
+        return [_make_micro_batch(batch, torch.arange(i, min(i + cfg.micro_batch_size, B))) for i in range(0, B, cfg.micro_batch_size)]
+    lengths = batch["attention_mask"].sum(dim=1)
+    order = torch.argsort(lengths, descending=True, stable=True)
+    packs: list[list[int]] = [[]]
+    for i in order.tolist():
+        candidate = packs[-1] + [i]
+        if packs[-1] and _make_micro_batch(batch, torch.tensor(candidate)).tokens > cfg.max_token_len:
+            packs.append([i])
+        else:
+            packs[-1] = candidate
+    return [_make_micro_batch(batch, torch.tensor(sorted(p))) for p in packs]
+
+
+def _causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(b, s) 1/0 -> Megatron's (b, 1, s, s) bool mask, True where attention is blocked."""
+    s = attention_mask.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()  # (s, s)
+    allowed = causal.unsqueeze(0) & attention_mask.bool().unsqueeze(1)  # (b, s, s)
+    return ~allowed.unsqueeze(1)
+
+
+def _scatter_rows(chunks: list[tuple[torch.Tensor, torch.Tensor]], B: int, T: int) -> torch.Tensor:
+    out = torch.zeros(B, T, dtype=torch.float32)  # (B, T)
+    for rows, values in chunks:
+        out[rows, : values.shape[1]] = values.float()
+    return out
+
+
+def sft_loss(mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Masked token-mean cross-entropy contribution of one micro-batch (used by update_sft)."""
+    nll = -(mb["log_probs"] * mb["response_mask"]).sum() / mb["global_token_count"]
+    return nll, {"sft_loss": nll.detach()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-rank engine shared by actor and critic
+# ---------------------------------------------------------------------------------------------
+
+
+class MegatronRunner:
+    """One rank's model shard (DDP-wrapped), optimizer and schedule; subclasses add heads.
+
+    Subclasses override `_head(mb, output)` that turns the last stage's output into per-token
+    response tensors, and may override `_build_model` (the critic swaps the LM head).
+    """
+
+    def __init__(self, hf_dir: str | Path, cfg: ActorConfig) -> None:
+        self.hf_dir = Path(hf_dir)
+        self.cfg = cfg
+        self.hf_config, hf_state = mmodel.load_hf_checkpoint(self.hf_dir)
+        module = self._build_model(hf_state)
+        del hf_state
+        module.config.finalize_model_grads_func = _finalize_grads_summed
+        self.step = 0  # optimizer steps taken
+        self.optimizer = None
+        self.scheduler = None
+        if cfg.optim is None:  # reference policy: a bare model, no gradient buffers
+            module.requires_grad_(False)
+            self.model = [module]
+            return
+        use_dist = torch.cuda.is_available()  # the distributed optimizer's buffers need CUDA
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_dist
+        )
+        self.model = [DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)]
+        self._build_optimizer(cfg.optim, use_dist)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """This rank's GPTModel stage, without the DDP wrapper."""
+        return unwrap_model(self.model[0])
+
+    # -- construction ---------------------------------------------------------------------
+    def _build_model(self, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        module = mmodel.build_gpt_model(
+            self.hf_config, calculate_per_token_loss=True  # the schedule sums the callers' loss contributions
+        )
+        # Micro-batches carry their own window length; set after construction because
+        # TransformerConfig's MoE checks refuse it at init even for dense models.
+        module.config.variable_seq_lengths = True
+        mmodel.load_hf_weights(module, hf_state, self.hf_config)
+        return module
+
+    def _build_optimizer(self, o: OptimConfig, use_dist: bool) -> None:
+        ocfg = OptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad, use_distributed_optimizer=use_dist, params_dtype=torch.float32,
+        )
+        self.optimizer = get_megatron_optimizer(ocfg, self.model)
+        logger.info("optimizer: Megatron %s, %s", type(self.optimizer).__name__,
+                    "distributed optimizer" if use_dist else "plain optimizer (no GPU: the distributed one needs CUDA)")
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=o.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=max(o.lr_decay_steps, o.lr_warmup_steps + 1),
+            lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+            wd_incr_steps=1, wd_incr_style="constant",
+        )
+
+    # -- schedule -------------------------------------------------------------------------
+    def _head(self, mb: MicroBatch, output: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _forward_backward(
+        self, mbs: list[MicroBatch], on_outputs: Callable[[MicroBatch, dict[str, torch.Tensor]], tuple[torch.Tensor, dict]],
+        forward_only: bool,
+    ) -> list[dict]:
+        """Run the micro-batches through the pipeline; `on_outputs(mb, head_outputs)` gives
+        `(loss contribution, record)` on the last stage. Returns the records (last stage only)."""
+
+        def loss_func(mb: MicroBatch, output: torch.Tensor):
+            loss, record = on_outputs(mb, self._head(mb, output))
+            return loss, torch.tensor(1, dtype=torch.int), record
+
+        def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
+            mb = next(data_iterator)
+            t = mb.tensors
+            attn = t["attention_mask"][:, mb.lo:mb.hi]  # (b, s)
+            output = model(
+                input_ids=t["input_ids"][:, mb.lo:mb.hi].to(self._device),
+                position_ids=t["position_ids"][:, mb.lo:mb.hi].to(self._device),
+                attention_mask=_causal_padding_mask(attn).to(self._device),
+            )
+            return output, functools.partial(loss_func, mb)
+
+        ctx = torch.no_grad() if forward_only else torch.enable_grad()
+        with ctx:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(mbs),
+                model=self.model,
+                num_microbatches=len(mbs),
+                seq_length=max(mb.hi - mb.lo for mb in mbs),
+                micro_batch_size=max(len(mb.rows) for mb in mbs),
+                forward_only=forward_only,
+            )
+
+    @property
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def _response_slice(self, mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Output positions that predict the response tokens kept in the window.
+
+        Returns `(pred (b, T', ...), targets (b, T'), T')` where T' <= T response columns are inside
+        the window; position `S-T-1+j` predicts response token `j`.
+        """
+        start = mb.seq_len - mb.resp_len  # first response column
+        kept = mb.hi - start  # response columns inside the window
+        pred = output[:, start - 1 - mb.lo: mb.hi - 1 - mb.lo]  # (b, T', ...)
+        targets = mb.tensors["responses"][:, :kept].to(output.device)  # (b, T')
+        return pred, targets, kept
+
+    def _global_counts(self, batch: Batch) -> tuple[int, int]:
+        """Response tokens and samples of `batch` summed over the DP group."""
+        counts = torch.tensor(
+            [float(batch["response_mask"].sum()), float(batch["response_mask"].shape[0])], device=self._device
+        )
+        torch.distributed.all_reduce(counts, group=mpu.get_data_parallel_group())
+        return int(counts[0]), int(counts[1])
+
+    def _mini_batches(self, batch: Batch) -> list[Batch]:
+        """Local mini-batches: with the group's mini-batch-aware split, local i is part of global i."""
+        B = batch["input_ids"].shape[0]
+        dp = mpu.get_data_parallel_world_size()
+        size = self.cfg.ppo_mini_batch_size or B * dp
+        if size % dp or (B * dp) % size:
+            raise ValueError(
+                f"ppo_mini_batch_size={size} must be a multiple of the DP size {dp} and divide the "
+                f"global batch ({B * dp} samples)"
+            )
+        local = size // dp
+        return [{k: v[i:i + local] for k, v in batch.items()} for i in range(0, B, local)]
+
+    def _train(self, batch: Batch, loss_fn: LossFn, epochs: int, prefix: str) -> dict[str, float]:
+        """Mini-batch / epoch loop: per mini-batch one forward-backward over its micro-batches,
+        a finite-gradient check, one optimizer step and one LR scheduler step."""
+        if self.optimizer is None:
+            raise RuntimeError("this worker has no optimizer (reference policy); build it with ActorConfig.optim set")
+        totals: dict[str, float] = {}
+        n_steps = 0
+        for _ in range(epochs):
+            for i, mini in enumerate(self._mini_batches(batch)):
+                tokens, seqs = self._global_counts(mini)
+
+                def on_outputs(mb: MicroBatch, head: dict[str, torch.Tensor]):
+                    loss, metrics = loss_fn({
+                        **{k: v[:, : head["kept"]] if v.dim() == 2 and v.shape[1] == mb.resp_len else v
+                           for k, v in mb.tensors.items()},
+                        **{k: v for k, v in head.items() if k != "kept"},
+                        "global_token_count": tokens, "global_seq_count": seqs,
+                    })
+                    return loss, {k: float(v) for k, v in metrics.items()}
+
+                for chunk in self.model:
+                    chunk.zero_grad_buffer()
+                self.optimizer.zero_grad()
+                records = self._forward_backward(split_micro_batches(mini, self.cfg), on_outputs, forward_only=False)
+                self._check_finite_grads(i)
+                ok, grad_norm, _ = self.optimizer.step()
+                self.scheduler.step(increment=1)
+                self.step += 1
+                n_steps += 1
+                mb_sum: dict[str, float] = {}
+                for r in records:
+                    for k, v in r.items():
+                        mb_sum[k] = mb_sum.get(k, 0.0) + v
+                if mpu.is_pipeline_last_stage():  # DP groups are stage-uniform: all or none call
+                    mb_sum = self._sum_over_dp(mb_sum)
+                for k, v in {**mb_sum, "grad_norm": float(grad_norm or 0.0),
+                             "lr": self.optimizer.param_groups[0]["lr"]}.items():
+                    totals[k] = totals.get(k, 0.0) + v
+        return {f"{prefix}/{k}": v / n_steps for k, v in totals.items()}
+
+    def _sum_over_dp(self, values: dict[str, float]) -> dict[str, float]:
+        keys = sorted(values)
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self._device)
+        torch.distributed.all_reduce(t, group=mpu.get_data_parallel_group())
+        return dict(zip(keys, t.tolist()))
+
+    def _check_finite_grads(self, mini_batch: int) -> None:
+        bad = torch.zeros(1, device=self._device)
+        for chunk in self.model:
+            for p in chunk.parameters():
+                g = getattr(p, "main_grad", None)
+                if g is not None and not torch.isfinite(g).all():
+                    bad.fill_(1.0)
+                    break
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        if bad.item():
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            raise FloatingPointError(
+                f"non-finite gradient in mini-batch {mini_batch}; the optimizer step was refused and the "
+                "weights are unchanged (check the loss function and the batch's advantages / log-probs)"
+            )
+
+    # -- checkpoint -----------------------------------------------------------------------
+    def save_checkpoint(self, path: str) -> None:
+        """Write this rank's model shard, optimizer, scheduler, RNG states and step (`checkpoint.py`)."""
+        checkpoint.save_rank(path, self.module, self.optimizer, self.scheduler, self.step)
+
+    def load_checkpoint(self, path: str) -> int:
+        """Restore what `save_checkpoint` wrote for this rank; returns the step."""
+        self.step = checkpoint.load_rank(path, self.module, self.optimizer, self.scheduler)
+        return self.step
+
+    def export_hf(self, path: str) -> None:
+        """Write an HF checkpoint directory (gathered to global rank 0; collective)."""
+        checkpoint.export_hf(path, self.module, self.hf_config, self.hf_dir)
+
+
+def _finalize_grads_summed(model, num_tokens=None, **kwargs) -> None:
+    """Megatron's finalize_model_grads (DP all-reduce, embedding and layernorm sync) without the
+    division by the token count: loss contributions are already normalised by the caller."""
+    finalize_model_grads(model, None, **kwargs)
+
+
+class MegatronActor(MegatronRunner):
+    """Policy (or, with `cfg.optim=None`, reference) worker for one rank."""
+
+    def _head(self, mb: MicroBatch, output: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits, targets, kept = self._response_slice(mb, output)  # (b, T', V/tp), (b, T')
+        log_probs, entropy = vocab_parallel_logprobs_entropy(
+            logits, targets, mpu.get_tensor_model_parallel_group(), temperature=self.cfg.temperature
+        )
+        return {"log_probs": log_probs, "entropy": entropy, "kept": kept}
+
+    def compute_log_prob(self, batch: Batch, calculate_entropy: bool = False) -> Batch:
+        """Per-token log-probs `(B, T)` of the response tokens (0 on padding), and entropy.
+
+        Returns `{"log_probs": (B, T)}` plus `"entropy": (B, T)` when asked; complete on the last
+        pipeline stage (other stages return an empty dict).
+        """
+        validate_batch(batch)
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            records = self._forward_backward(
+                split_micro_batches(batch, self.cfg),
+                lambda mb, head: (torch.zeros(()), {"rows": mb.rows, **{k: head[k] for k in ("log_probs", "entropy")}}),
+                forward_only=True,
+            )
+        finally:
+            for chunk in self.model:
+                chunk.train()
+        if not mpu.is_pipeline_last_stage():
+            return {}
+        B, T = batch["responses"].shape
+        mask = batch["response_mask"].float()
+        out = {"log_probs": _scatter_rows([(r["rows"], r["log_probs"]) for r in records], B, T) * mask}
+        if calculate_entropy:
+            out["entropy"] = _scatter_rows([(r["rows"], r["entropy"]) for r in records], B, T) * mask
+        return out
+
+    def update_policy(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
+        """PPO-style update: `ppo_epochs` passes of one optimizer step per mini-batch.
+
+        `loss_fn` is the trainer's policy loss (see the module docstring for its contract).
+        Returns `actor/*` metrics averaged over optimizer steps (loss_fn's metrics summed over
+        micro-batches and DP ranks first), plus `actor/grad_norm` and `actor/lr`.
+        """
+        validate_batch(batch)
+        return self._train(batch, loss_fn, self.cfg.ppo_epochs, "actor")
+
+    def update_sft(self, batch: Batch) -> dict[str, float]:
+        """One pass of masked cross-entropy on the response tokens (`response_mask` = 1)."""
+        validate_batch(batch)
+        return self._train(batch, sft_loss, 1, "sft")

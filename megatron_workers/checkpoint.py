@@ -1,0 +1,151 @@
+"""Save / resume a Megatron worker group, and export to an HF checkpoint directory.
+
+Resume checkpoints are per rank: `DIR/rank_{r:05d}.pt` holds global rank `r`'s model shard
+(GPTModel state dict), optimizer state (Megatron's optimizer `state_dict`), LR scheduler,
+RNG states (python, numpy, torch CPU, CUDA when present, Megatron's RNG tracker) and the
+step; `DIR/meta.json` (written by rank 0) records the layout and the step. Every rank
+writes its own file, so no gather is needed and a save costs one write per rank.
+
+Where it departs from Megatron-LM's `dist_checkpointing`: no resharding. A resume
+checkpoint loads into the *same* TP x PP x DP layout (checked, with a clear error). To
+change the layout, export to HF (`export_hf`) and build a new group from it; that carries
+the weights, not the optimizer moments. `export_hf` gathers the full state dict on global
+rank 0 and writes `config.json`, `model.safetensors` and the tokenizer files of the source
+checkpoint, which transformers' `from_pretrained` and SGLang's `Engine` load.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from megatron_workers import cpu_compat  # noqa: F401  (stand-ins before megatron)
+from megatron.core import parallel_state as mpu  # noqa: E402
+from megatron.core import tensor_parallel  # noqa: E402
+
+from megatron_workers import model as mmodel  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+    "added_tokens.json", "chat_template.jinja", "generation_config.json", "tokenizer.model",
+)
+
+
+def _layout() -> dict[str, int]:
+    return {
+        "world_size": torch.distributed.get_world_size(),
+        "tp": mpu.get_tensor_model_parallel_world_size(),
+        "pp": mpu.get_pipeline_model_parallel_world_size(),
+        "dp": mpu.get_data_parallel_world_size(),
+    }
+
+
+def _rank_file(path: Path, rank: int) -> Path:
+    return path / f"rank_{rank:05d}.pt"
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG this process draws from, as a picklable dict."""
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "megatron_tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` returned."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
+
+
+def save_rank(path: str | Path, module: torch.nn.Module, optimizer: Any, scheduler: Any, step: int) -> None:
+    """Write this rank's resume file (collective: every rank calls it; returns after all wrote)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    rank = torch.distributed.get_rank()
+    state = {
+        "layout": _layout(),
+        "coords": (mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank(), mpu.get_data_parallel_rank()),
+        "step": step,
+        "model": module.state_dict(),
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "rng": rng_state(),
+    }
+    tmp = _rank_file(path, rank).with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(_rank_file(path, rank))
+    torch.distributed.barrier()
+    if rank == 0:
+        (path / "meta.json").write_text(json.dumps({**_layout(), "step": step}, indent=2))
+    torch.distributed.barrier()
+    logger.info("rank %d saved step %d to %s", rank, step, path)
+
+
+def load_rank(path: str | Path, module: torch.nn.Module, optimizer: Any, scheduler: Any) -> int:
+    """Restore this rank's model, optimizer, scheduler and RNG from `save_rank`'s files; returns the step.
+
+    Refuses a checkpoint written with another layout (the files are per-rank shards).
+    """
+    path = Path(path)
+    meta_file = path / "meta.json"
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"{meta_file} not found: {path} is not a complete polyturn resume checkpoint")
+    meta = json.loads(meta_file.read_text())
+    here = _layout()
+    saved = {k: meta[k] for k in here}
+    if saved != here:
+        raise ValueError(
+            f"checkpoint {path} was saved with layout {saved} but this group is {here}; resume with the "
+            "same tp/pp/dp, or export_hf and start a new group from the HF checkpoint"
+        )
+    rank = torch.distributed.get_rank()
+    state = torch.load(_rank_file(path, rank), map_location="cpu", weights_only=False)
+    module.load_state_dict(state["model"], strict=True)
+    if optimizer is not None:
+        if state["optimizer"] is None:
+            raise ValueError(f"checkpoint {path} holds no optimizer state (saved by a reference worker)")
+        optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    torch.distributed.barrier()
+    return int(state["step"])
+
+
+def export_hf(path: str | Path, module: torch.nn.Module, hf_config: Any, source_dir: Optional[str | Path]) -> None:
+    """Write an HF checkpoint dir from the sharded model (collective; rank 0 writes).
+
+    `config.json` comes from `hf_config`, `model.safetensors` from the gathered weights, and
+    the tokenizer files present in `source_dir` are copied alongside.
+    """
+    from safetensors.torch import save_file
+
+    state = mmodel.export_hf_state_dict(module, hf_config, dst_rank=0)
+    if state is not None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        hf_config.save_pretrained(path)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+        if source_dir is not None:
+            for name in TOKENIZER_FILES:
+                src = Path(source_dir) / name
+                if src.is_file():
+                    shutil.copy2(src, path / name)
+        logger.info("exported %d tensors to %s", len(state), path)
+    torch.distributed.barrier()

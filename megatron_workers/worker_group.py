@@ -1,0 +1,273 @@
+"""A TP x PP x DP group of Ray actors, one per Megatron rank, and batch dispatch over it.
+
+`MegatronWorkerGroup` reserves one placement-group bundle per rank, starts one `RankWorker`
+Ray actor in each, lets rank 0 choose the rendezvous address, and initialises
+torch.distributed (NCCL with GPUs, gloo without) plus Megatron's parallel state through
+`megatron_workers.parallel` in every actor. Each actor then builds a *role* object (the
+actor, reference or critic of `actor.py` / `critic.py`) from a picklable factory, and the
+group calls the role's methods:
+
+- `call_all(method, ...)`: the same arguments to every rank, every rank's result back;
+- `dispatch(method, batch, ...)`: the batch (a dict of `(B, ...)` tensors) is split along
+  dim 0 into DP shards; every TP/PP rank of DP rank `d` receives shard `d`; the results of
+  the *collector* ranks (last pipeline stage, TP rank 0: the ones holding complete outputs)
+  come back in DP order.
+
+Where it departs from verl's single-controller dispatch: the split can be *mini-batch
+aware* (`num_mini_batches`): each mini-batch is split across DP ranks separately, so global
+mini-batch `i` holds the same samples for any DP size, and parallelism does not change
+which samples share an optimizer step.
+
+Megatron numbers ranks `tp-cp-ep-dp-pp` (TP fastest); the group asks every actor for its
+(tp, pp, dp) coordinates after initialisation instead of recomputing that order.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+import cpu_standins
+
+logger = logging.getLogger(__name__)
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How the model is split: `tp` x `pp` ranks hold one replica, `dp` replicas in all."""
+
+    tp: int = 1  # tensor-parallel size (splits heads, MLP width, vocabulary)
+    pp: int = 1  # pipeline-parallel size (splits layers into stages)
+    dp: int = 1  # data-parallel size (replicas, each gets a slice of the batch)
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelLayout.{name} must be a positive int, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One actor's place in the layout, as Megatron's parallel state reports it."""
+
+    rank: int  # global torch.distributed rank
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    is_collector: bool  # last pipeline stage and TP rank 0: its outputs are the group's outputs
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+class RankWorker:
+    """Body of one Ray actor: one Megatron rank, hosting one role object."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.role: Any = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's address and a free port, for rank 0 to host the rendezvous."""
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def init_distributed(self, master_addr: str, master_port: int, tp: int, pp: int, seed: int) -> RankInfo:
+        """Initialise torch.distributed and Megatron's parallel state; report coordinates."""
+        from megatron.core import parallel_state as mpu
+
+        from megatron_workers import parallel
+
+        parallel.init_distributed(
+            self.rank, self.world_size, master_addr, master_port, tp, pp, seed=seed
+        )
+        return RankInfo(
+            rank=self.rank,
+            tp_rank=mpu.get_tensor_model_parallel_rank(),
+            pp_rank=mpu.get_pipeline_model_parallel_rank(),
+            dp_rank=mpu.get_data_parallel_rank(),
+            is_collector=mpu.is_pipeline_last_stage() and mpu.get_tensor_model_parallel_rank() == 0,
+        )
+
+    def build_role(self, factory: Callable[[], Any]) -> None:
+        """Build this rank's role object (actor / reference / critic) by calling `factory()`."""
+        self.role = factory()
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self.role is None:
+            raise RuntimeError(f"rank {self.rank}: call {method!r} before build_role()")
+        return getattr(self.role, method)(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        from megatron_workers import parallel
+
+        self.role = None
+        parallel.destroy()
+
+
+def split_batch(batch: Batch, dp: int, num_mini_batches: int = 1) -> list[Batch]:
+    """Split `batch` into `dp` shards; mini-batch aware.
+
+    The batch is cut into `num_mini_batches` contiguous mini-batches and each mini-batch into
+    `dp` contiguous pieces; shard `d` is the concatenation of piece `d` of every mini-batch.
+    So a rank's local mini-batch `i` is part of global mini-batch `i` whatever `dp` is.
+    """
+    sizes = {k: v.shape[0] for k, v in batch.items()}
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"batch tensors disagree on the batch dimension (dim 0): {sizes}")
+    n = next(iter(sizes.values()))
+    if n % (dp * num_mini_batches) != 0:
+        raise ValueError(
+            f"batch of {n} samples cannot be split into {num_mini_batches} mini-batch(es) x "
+            f"{dp} data-parallel ranks; make the batch size a multiple of {dp * num_mini_batches}"
+        )
+    mini, piece = n // num_mini_batches, n // (num_mini_batches * dp)
+    shards = []
+    for d in range(dp):
+        idx = torch.cat(
+            [torch.arange(i * mini + d * piece, i * mini + (d + 1) * piece) for i in range(num_mini_batches)]
+        )
+        shards.append({k: v.index_select(0, idx) for k, v in batch.items()})
+    return shards
+
+
+def concat_results(results: list[Batch]) -> Batch:
+    """Concatenate per-DP-rank tensor dicts (from a contiguous split) back into one batch."""
+    return {k: torch.cat([r[k] for r in results], dim=0) for k in results[0]}
+
+
+class MegatronWorkerGroup:
+    """TP x PP x DP Ray actors running Megatron-Core, driven from the caller's process.
+
+    `ray.init` must have been called. The layout is checked against the cluster's resources
+    (and against `hf_config` when given, through `parallel.validate_layout`) before any actor
+    starts. With GPUs every rank takes one GPU; without, every rank takes `num_cpus_per_rank`
+    CPUs (fractions allowed, so `ray.init(num_cpus=2)` can host 8 ranks).
+    """
+
+    def __init__(
+        self,
+        layout: ParallelLayout,
+        *,
+        hf_config: Any = None,
+        seed: int = 0,
+        num_cpus_per_rank: float = 0.25,
+        use_gpu: Optional[bool] = None,
+        env_vars: Optional[dict[str, str]] = None,
+        ready_timeout_s: float = 60.0,
+    ) -> None:
+        if not ray.is_initialized():
+            raise RuntimeError("ray is not initialised: call ray.init(...) before MegatronWorkerGroup")
+        self.layout = layout
+        use_gpu = torch.cuda.is_available() if use_gpu is None else use_gpu
+        if hf_config is not None:
+            from megatron_workers.parallel import validate_layout
+
+            validate_layout(hf_config, layout.tp, layout.pp)
+        self._check_resources(use_gpu, num_cpus_per_rank)
+
+        bundle = {"CPU": num_cpus_per_rank, **({"GPU": 1} if use_gpu else {})}
+        self._pg = placement_group([dict(bundle) for _ in range(layout.world_size)], strategy="PACK")
+        ready, _ = ray.wait([self._pg.ready()], timeout=ready_timeout_s)
+        if not ready:
+            remove_placement_group(self._pg)
+            raise RuntimeError(
+                f"placement group for {layout.world_size} ranks x {bundle} was not ready after "
+                f"{ready_timeout_s:.0f}s: the cluster cannot place the layout {layout}; free "
+                "resources or reduce tp * pp * dp"
+            )
+
+        cpu_standins.activate()  # puts the CPU import stand-ins on PYTHONPATH (no-op with GPUs)
+        env = {
+            "PYTHONPATH": os.pathsep.join(
+                p for p in [str(_REPO_ROOT), os.environ.get("PYTHONPATH", "")] if p
+            ),
+            **({} if use_gpu else {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}),
+            **(env_vars or {}),
+        }
+        remote_cls = ray.remote(RankWorker)
+        self._workers = [
+            remote_cls.options(
+                num_cpus=num_cpus_per_rank,
+                num_gpus=1 if use_gpu else 0,
+                runtime_env={"env_vars": env},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._pg, placement_group_bundle_index=i
+                ),
+            ).remote(i, layout.world_size)
+            for i in range(layout.world_size)
+        ]
+        addr, port = ray.get(self._workers[0].rendezvous_address.remote())
+        self.ranks: list[RankInfo] = ray.get(
+            [w.init_distributed.remote(addr, port, layout.tp, layout.pp, seed) for w in self._workers]
+        )
+        logger.info("started %d Megatron ranks (%s) at %s:%d", layout.world_size, layout, addr, port)
+
+    def _check_resources(self, use_gpu: bool, num_cpus_per_rank: float) -> None:
+        total = ray.cluster_resources()
+        need_gpu = self.layout.world_size if use_gpu else 0
+        if need_gpu > total.get("GPU", 0):
+            raise RuntimeError(
+                f"layout {self.layout} needs {need_gpu} GPUs (one per rank) but the Ray cluster "
+                f"has {total.get('GPU', 0):g}; reduce tp * pp * dp or add GPUs"
+            )
+        need_cpu = self.layout.world_size * num_cpus_per_rank
+        if need_cpu > total.get("CPU", 0):
+            raise RuntimeError(
+                f"layout {self.layout} needs {need_cpu:g} CPUs ({num_cpus_per_rank:g} per rank) but "
+                f"the Ray cluster has {total.get('CPU', 0):g}; lower num_cpus_per_rank or raise "
+                "ray.init(num_cpus=...)"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def build(self, factory: Callable[[], Any]) -> None:
+        """Build the role object on every rank: `factory` is pickled to each actor and called there."""
+        ray.get([w.build_role.remote(factory) for w in self._workers])
+
+    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `role.method(*args, **kwargs)` on every rank; results in rank order."""
+        return ray.get([w.call.remote(method, *args, **kwargs) for w in self._workers])
+
+    def dispatch(self, method: str, batch: Batch, *, num_mini_batches: int = 1, **kwargs: Any) -> list[Any]:
+        """Split `batch` over DP ranks, call `role.method(shard, **kwargs)` everywhere.
+
+        Returns the collector ranks' results (last PP stage, TP rank 0), one per DP rank, in
+        DP order. See `split_batch` for how `num_mini_batches` shapes the split.
+        """
+        shards = [ray.put(s) for s in split_batch(batch, self.layout.dp, num_mini_batches)]
+        futures = [w.call.remote(method, shards[info.dp_rank], **kwargs) for w, info in zip(self._workers, self.ranks)]
+        results = ray.get(futures)
+        by_dp = {info.dp_rank: r for info, r in zip(self.ranks, results) if info.is_collector}
+        return [by_dp[d] for d in range(self.layout.dp)]
+
+    def shutdown(self) -> None:
+        """Tear down process groups, kill the actors and free the placement group."""
+        try:
+            ray.get([w.shutdown.remote() for w in self._workers], timeout=30)
+        except Exception:  # a dead actor cannot tear down; killing it below is enough
+            logger.warning("some ranks failed to shut down cleanly", exc_info=True)
+        for w in self._workers:
+            ray.kill(w)
+        remove_placement_group(self._pg)

@@ -1,0 +1,246 @@
+"""Megatron actor on Ray vs transformers: log-probs, PPO updates across layouts, bad input.
+
+All integration tests here share one Ray cluster (module fixture) and the tiny Qwen2
+checkpoint; every layout is a fresh `MegatronWorkerGroup` of gloo CPU ranks.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_workers.logprobs import vocab_parallel_logprobs_entropy
+
+# ---------------------------------------------------------------------------------------------
+# Helpers shared with test_checkpoint.py / test_worker_group.py (imported from here)
+# ---------------------------------------------------------------------------------------------
+
+
+def make_batch(vocab: int, seed: int = 0, B: int = 8, S: int = 24, T: int = 12) -> dict[str, torch.Tensor]:
+    """A padded batch of variable-length multi-turn samples in verl's layout.
+
+    Prompts are left-padded, responses right-padded; each response has a non-sampled span in
+    the middle (a tool / user turn: attended to, `response_mask` 0). Token ids are random.
+    """
+    g = torch.Generator().manual_seed(seed)
+    P = S - T
+    input_ids = torch.randint(0, vocab, (B, S), generator=g)
+    attention_mask = torch.zeros(B, S, dtype=torch.long)
+    response_mask = torch.zeros(B, T, dtype=torch.long)
+    for b in range(B):
+        p = int(torch.randint(2, P + 1, (1,), generator=g))  # prompt length
+        r = int(torch.randint(3, T + 1, (1,), generator=g))  # response length (incl. tool span)
+        attention_mask[b, P - p: P + r] = 1
+        response_mask[b, :r] = 1
+        if r >= 6:  # a tool turn in the middle of the response
+            response_mask[b, 2: r - 2] = 0
+    input_ids = input_ids * attention_mask  # pad id 0 where not attended
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "responses": input_ids[:, P:].clone(),
+        "response_mask": response_mask,
+    }
+
+
+def hf_log_probs(model_dir: Path, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' own log-probs and entropy of the response tokens, (B, T) each, masked."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    T = batch["responses"].shape[1]
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        ).logits  # (B, S, V)
+    logits = logits[:, -T - 1: -1].float()  # (B, T, V) predicting the response tokens
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    mask = batch["response_mask"].float()
+    return logp * mask, entropy * mask
+
+
+def masked_pg_loss(mb: dict) -> tuple[torch.Tensor, dict]:
+    """Token-mean clipped surrogate (a stand-in for recipe.algos' policy loss, same contract)."""
+    mask = mb["response_mask"].float()
+    ratio = torch.exp(mb["log_probs"] - mb["old_log_probs"])
+    adv = mb["advantages"]
+    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
+    total = (loss * mask).sum() / mb["global_token_count"]
+    return total, {"pg_loss": total.detach()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Unit: vocab-parallel log-prob / entropy math (single process)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_logprobs_entropy_match_log_softmax_and_autograd():
+    """Contract: log-prob/entropy and their hand-written gradients equal torch's log_softmax math."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 17, generator=g, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 17, (3, 5), generator=g)
+    lp, ent = vocab_parallel_logprobs_entropy(logits, target, temperature=0.7)
+    ref_all = torch.log_softmax(logits / 0.7, dim=-1)
+    torch.testing.assert_close(lp, ref_all.gather(-1, target.unsqueeze(-1)).squeeze(-1).float())
+    torch.testing.assert_close(ent, -(ref_all.exp() * ref_all).sum(-1).float())
+    w1, w2 = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    (grad,) = torch.autograd.grad((lp * w1).sum() + (ent * w2).sum(), logits)
+    ref_lp = ref_all.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(ref_all.exp() * ref_all).sum(-1)
+    (ref_grad,) = torch.autograd.grad((ref_lp * w1).sum() + (ref_ent * w2).sum(), logits)
+    torch.testing.assert_close(grad, ref_grad.to(grad.dtype), rtol=1e-5, atol=1e-6)
+
+
+def _tp2_worker(rank: int, port: int, q) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(4, 6, 10, generator=g, dtype=torch.float64)
+    target = torch.randint(0, 10, (4, 6), generator=g)
+    w1, w2 = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+    shard = full[..., rank * 5:(rank + 1) * 5].clone().requires_grad_(True)
+    lp, ent = vocab_parallel_logprobs_entropy(shard, target, dist.group.WORLD)
+    ((lp * w1).sum() + (ent * w2).sum()).backward()
+    # numpy, not tensors: torch would share tensor storage that dies with this process
+    q.put((rank, lp.detach().numpy(), ent.detach().numpy(), shard.grad.numpy()))
+    dist.destroy_process_group()
+
+
+@pytest.mark.unit
+def test_logprobs_entropy_vocab_parallel_tp2_equals_full_vocab():
+    """Contract: with the vocabulary split over 2 gloo ranks, values and gradients equal the
+    single-rank full-vocabulary result (no rank ever holds the full vocabulary)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_tp2_worker, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted([q.get(timeout=120) for _ in procs], key=lambda r: r[0])
+    for p in procs:
+        p.join(timeout=60)
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(4, 6, 10, generator=g, dtype=torch.float64).requires_grad_(True)
+    target = torch.randint(0, 10, (4, 6), generator=g)
+    w1, w2 = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+    lp, ent = vocab_parallel_logprobs_entropy(full, target)
+    ((lp * w1).sum() + (ent * w2).sum()).backward()
+    for rank, lp_r, ent_r, grad_r in results:
+        torch.testing.assert_close(torch.from_numpy(lp_r), lp.detach())
+        torch.testing.assert_close(torch.from_numpy(ent_r), ent.detach())
+        torch.testing.assert_close(torch.from_numpy(grad_r), full.grad[..., rank * 5:(rank + 1) * 5], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.unit
+def test_validate_batch_refusals_name_the_sample():
+    """Contract: shape disagreement, an empty response, NaN advantages/rewards and responses that are
+    not the sequence's tail are refused with an error naming the key or sample index."""
+    from megatron_workers.actor import validate_batch
+
+    base = make_batch(vocab=50, seed=1)
+    validate_batch(base)
+    bad = dict(base, response_mask=base["response_mask"][:, :-1])
+    with pytest.raises(ValueError, match="response_mask"):
+        validate_batch(bad)
+    bad = dict(base, response_mask=base["response_mask"].clone())
+    bad["response_mask"][3] = 0
+    with pytest.raises(ValueError, match="sample 3: empty response"):
+        validate_batch(bad)
+    for key in ("advantages", "token_level_rewards"):
+        vals = torch.zeros(base["responses"].shape)
+        vals[5, 1] = float("nan")
+        with pytest.raises(ValueError, match=f"sample 5: batch\\['{key}'\\] holds NaN"):
+            validate_batch(dict(base, **{key: vals}))
+    bad = dict(base, responses=base["responses"].clone())
+    col = int(base["response_mask"][6].nonzero()[0])
+    bad["responses"][6, col] += 1
+    with pytest.raises(ValueError, match="sample 6: responses differ"):
+        validate_batch(bad)
+
+
+@pytest.mark.unit
+def test_dynamic_micro_batches_respect_token_budget_and_cover_every_row():
+    """Contract: dynamic micro-batches hold every row once and stay within max_token_len
+    (rows x padding-window length), and the window keeps every real token."""
+    from megatron_workers.actor import ActorConfig, split_micro_batches
+
+    batch = make_batch(vocab=50, seed=2, B=16)
+    cfg = ActorConfig(use_dynamic_bsz=True, max_token_len=60, optim=None)
+    mbs = split_micro_batches(batch, cfg)
+    rows = torch.cat([mb.rows for mb in mbs]).sort().values
+    assert rows.tolist() == list(range(16))
+    for mb in mbs:
+        assert mb.tokens <= 60 or len(mb.rows) == 1
+        inside = mb.tensors["attention_mask"][:, mb.lo:mb.hi].sum()
+        assert inside == mb.tensors["attention_mask"].sum()
+    assert len(mbs) > 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Integration: Ray worker groups of real Megatron ranks
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    ray.shutdown()
+
+
+def start_actor_group(model_dir: Path, tp: int, pp: int, dp: int = 1, **cfg_kwargs):
+    """A worker group whose ranks each hold a MegatronActor built from `model_dir`."""
+    import functools
+
+    from megatron_workers.actor import ActorConfig, MegatronActor, OptimConfig
+    from megatron_workers.worker_group import MegatronWorkerGroup, ParallelLayout
+
+    optim = cfg_kwargs.pop("optim", OptimConfig(lr=1e-3, adam_eps=1e-4, clip_grad=1.0))
+    cfg = ActorConfig(optim=optim, **cfg_kwargs)
+    group = MegatronWorkerGroup(ParallelLayout(tp=tp, pp=pp, dp=dp), seed=1)
+    group.build(functools.partial(MegatronActor, str(model_dir), cfg))
+    return group
+
+
+def _vocab(model_dir: Path) -> int:
+    import json
+
+    return json.loads((model_dir / "config.json").read_text())["vocab_size"]
+
+
+@pytest.mark.integration
+def test_log_probs_tp2_pp2_match_transformers(ray_cluster, tiny_model_dir):
+    """Contract: actor log-probs and entropy at (TP, PP) = (2, 2) equal transformers' on a padded
+    multi-turn batch within 1e-4 (fp32), with fixed and with dynamic micro-batches."""
+    from megatron_workers.worker_group import concat_results
+
+    batch = make_batch(_vocab(tiny_model_dir), seed=3)
+    ref_lp, ref_ent = hf_log_probs(tiny_model_dir, batch)
+    group = start_actor_group(tiny_model_dir, tp=2, pp=2, micro_batch_size=3, optim=None)
+    try:
+        out = concat_results(group.dispatch("compute_log_prob", batch, calculate_entropy=True))
+        torch.testing.assert_close(out["log_probs"], ref_lp, rtol=0, atol=1e-4)
+        torch.testing.assert_close(out["entropy"], ref_ent, rtol=0, atol=1e-4)
+    finally:
+        group.shutdown()

@@ -6,6 +6,9 @@ running on a CPU. Measured against megatron-core 0.16.1 and torch 2.14.1 (a CUDA
 
 - `torch.cuda.current_device()` is used as the device of every parameter, activation buffer and
   P2P shape tensor. It must answer `torch.device("cpu")` (answering 0 would mean `cuda:0`).
+- `Tensor.cuda()` moves tensors "to the GPU" in a few places on the common path (the tied
+  embedding copy on the last pipeline stage, the optimizer's state loading); without a GPU it
+  returns the tensor as it is (on a machine without a GPU it could only have raised).
 - `torch.cuda.synchronize()` guards batched P2P ops in the pipeline schedule; on CPU there is
   nothing to wait for, so it becomes a no-op.
 - The pipeline schedules allocate their token counters with `device="cuda"`; they are created
@@ -48,6 +51,10 @@ def _noop(*_args: Any, **_kwargs: Any) -> None:
     return None
 
 
+def _tensor_stays(self: torch.Tensor, *_args: Any, **_kwargs: Any) -> torch.Tensor:
+    return self
+
+
 def _on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """Wrap a tensor factory so that a CUDA `device=` argument lands on the CPU."""
 
@@ -86,6 +93,7 @@ def apply_cpu_compat() -> bool:
     setattr(current_device, _MARK, True)
     torch.cuda.current_device = current_device  # type: ignore[assignment]
     torch.cuda.synchronize = _noop  # type: ignore[assignment]
+    torch.Tensor.cuda = _tensor_stays  # type: ignore[method-assign]
 
     from megatron.core.pipeline_parallel import schedules
 

@@ -75,7 +75,8 @@ def test_writes_a_consistent_qwen2_checkpoint(tiny_model_dir, tokenizer):
 
 @pytest.mark.unit
 def test_same_arguments_give_identical_bytes(tmp_path):
-    """Contract: the checkpoint is a pure function of the arguments (byte-identical files); seed changes weights only."""
+    """Contract: the checkpoint is a pure function of the arguments (byte-identical files); the seed changes the
+    weights only."""
     a = write_tiny_checkpoint(tmp_path / "a", seed=7)
     b = write_tiny_checkpoint(tmp_path / "b", seed=7)
     c = write_tiny_checkpoint(tmp_path / "c", seed=8)
@@ -344,7 +345,9 @@ def test_cli_writes_the_requested_checkpoint_identically_in_a_fresh_process(tmp_
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("argv, flag", [(["--heads", "5"], "--heads"), (["--heads", "4", "--kv-heads", "3"], "--kv-heads")])
+@pytest.mark.parametrize(
+    "argv, flag", [(["--heads", "5"], "--heads"), (["--heads", "4", "--kv-heads", "3"], "--kv-heads")]
+)
 def test_cli_bad_arguments_exit_with_a_usage_error_naming_the_flag(tmp_path, capsys, argv, flag):
     """Contract: a bad flag combination exits with argparse's usage error (code 2) naming the flag, writing nothing."""
     with pytest.raises(SystemExit) as exc:

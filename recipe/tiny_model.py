@@ -26,6 +26,9 @@ Where it departs from a real Qwen2.5 checkpoint:
   and 1), so that a conversion that drops or swaps one of them shows up in parity tests; the
   init std (0.2) is larger than Qwen's 0.02 so that a 64-wide random model's greedy output
   varies with its input instead of repeating one token.
+
+The weights are float32 (``dtype`` in config.json). SGLang's ``dtype="auto"`` downcasts float32
+checkpoints to float16, so compare its logprobs with transformers' only under ``dtype="float32"``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,184 @@
+"""SGLang engine client: one in-process `sglang.Engine` behind the `RolloutEngine` seam.
+
+The engine's tokenizer manager binds to the first asyncio loop that talks to it, so each
+`SGLangEngine` owns a private loop in a daemon thread and every call (generation, abort, weight
+updates) is submitted to that loop. Callers may therefore use the engine from any loop or thread:
+`asyncio.run` in a test, a Ray actor, or the trainer's synchronous step between rollouts.
+
+This is also the weight-sync receive side: tensors handed over in process
+(`update_weights_from_tensor`), a checkpoint directory (`update_weights_from_disk`), or a broadcast
+over a process group (`init_weights_update_group` + `update_weights_from_distributed`). Every update
+bumps `weight_version`, which each generated turn reports.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Coroutine, Iterable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from rollout import sglang_cpu
+from rollout.engines.base import GenerateResult
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """SGLang refused a control request (weight update, cache flush, ...)."""
+
+
+class SGLangEngine:
+    """A real SGLang `Engine` running in this process (its scheduler in subprocesses)."""
+
+    def __init__(self, model_path: str, *, name: str = "engine0", weight_version: int = 0, **engine_kwargs: Any):
+        kwargs = sglang_cpu.engine_kwargs_for_this_machine(engine_kwargs)
+        import sglang  # after the CPU adapter: the stand-ins must be on the path first
+
+        self.name = name
+        self._engine = sglang.Engine(model_path=model_path, weight_version=str(weight_version), **kwargs)
+        self._tm = self._engine.tokenizer_manager
+        self._weight_version = weight_version
+        self._inflight: set[str] = set()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"sglang-{name}", daemon=True)
+        self._thread.start()
+
+    # -- the RolloutEngine seam ---------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._inflight)
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], request_id: str) -> GenerateResult:
+        self._inflight.add(request_id)
+        try:
+            out = await asyncio.wrap_future(self._submit(self._engine.async_generate(
+                input_ids=list(input_ids), sampling_params=dict(sampling_params), return_logprob=True, rid=request_id,
+            )))
+        finally:
+            self._inflight.discard(request_id)
+        return _to_result(out)
+
+    async def abort(self, request_id: str) -> None:
+        await asyncio.wrap_future(self._submit(self._abort(request_id)))
+
+    # -- control: weight sync, cache, memory --------------------------------------------------
+
+    def update_weights_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                                   weight_version: int, flush_cache: bool = True) -> None:
+        """Load HF-named full tensors handed over in process (colocated sync)."""
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        tensors = list(named_tensors)
+        req = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[MultiprocessingSerializer.serialize(tensors)],
+            flush_cache=flush_cache, weight_version=str(weight_version),
+        )
+        self._in_update_session(self._tm.update_weights_from_tensor(req, None), "update_weights_from_tensor")
+        self._weight_version = weight_version
+
+    def update_weights_from_disk(self, model_path: str, *, weight_version: int) -> None:
+        """Reload all weights from an HF checkpoint directory."""
+        from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+        req = UpdateWeightFromDiskReqInput(model_path=model_path, weight_version=str(weight_version))
+        _check(self._call(self._tm.update_weights_from_disk(req, None)), "update_weights_from_disk")
+        self._weight_version = weight_version
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str) -> None:
+        """Join a process group through which a trainer rank broadcasts weights (separate placement)."""
+        from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
+
+        req = InitWeightsUpdateGroupReqInput(master_address=master_address, master_port=master_port,
+                                             rank_offset=rank_offset, world_size=world_size,
+                                             group_name=group_name, backend=backend)
+        _check(self._call(self._tm.init_weights_update_group(req, None)), "init_weights_update_group")
+
+    def submit_update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+                                               group_name: str, weight_version: int, flush_cache: bool = True) -> Future:
+        """Start receiving one bucket by broadcast; the sender broadcasts while this future is pending."""
+        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
+
+        req = UpdateWeightsFromDistributedReqInput(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
+                                                   flush_cache=flush_cache, weight_version=str(weight_version))
+        self._pending_version = weight_version
+        return self._submit(self._session(self._tm.update_weights_from_distributed(req, None),
+                                          "update_weights_from_distributed"))
+
+    def finish_update_weights_from_distributed(self, future: Future) -> None:
+        """Wait for a bucket started by `submit_update_weights_from_distributed`."""
+        future.result()
+        self._weight_version = self._pending_version
+
+    def flush_cache(self) -> None:
+        self._call(self._tm.flush_cache())
+
+    def release_memory(self) -> None:
+        """Free KV cache and weights while the trainer runs (colocated GPUs; a no-op on CPU)."""
+        from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
+
+        self._call(self._tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(), None))
+
+    def resume_memory(self) -> None:
+        from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
+
+        self._call(self._tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(), None))
+
+    def shutdown(self) -> None:
+        """Stop the engine's subprocesses and this client's loop thread."""
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._engine.shutdown()
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _submit(self, coro: Coroutine) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _call(self, coro: Coroutine) -> Any:
+        return self._submit(coro).result()
+
+    async def _abort(self, request_id: str) -> None:
+        self._tm.abort_request(rid=request_id)
+
+    async def _session(self, update: Coroutine, what: str) -> None:
+        """SGLang 0.5.23 requires tensor / distributed updates between begin and end_weight_update."""
+        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
+
+        _check(await self._tm.begin_weight_update(BeginWeightUpdateReqInput(), None), "begin_weight_update")
+        try:
+            _check(await update, what)
+        finally:
+            _check(await self._tm.end_weight_update(EndWeightUpdateReqInput(), None), "end_weight_update")
+
+    def _in_update_session(self, update: Coroutine, what: str) -> None:
+        self._call(self._session(update, what))
+
+
+def _check(result: Any, what: str) -> None:
+    if isinstance(result, tuple) and len(result) >= 2 and result[0] is False:
+        raise EngineError(f"SGLang {what} failed: {result[1]}")
+
+
+def _to_result(out: dict[str, Any]) -> GenerateResult:
+    meta = out["meta_info"]
+    logprobs = [float(lp) for lp, _tok, *_ in meta.get("output_token_logprobs") or []]
+    finish = (meta.get("finish_reason") or {}).get("type", "abort")
+    version = meta.get("weight_version", "0")
+    return GenerateResult(
+        output_ids=list(out["output_ids"]),
+        output_logprobs=logprobs,
+        finish_reason=finish if finish in ("stop", "length") else "abort",
+        weight_version=int(version) if str(version).isdigit() else -1,
+        meta={"e2e_latency": meta.get("e2e_latency"), "cached_tokens": meta.get("cached_tokens", 0)},
+    )

@@ -195,26 +195,32 @@ class ChatCodec:
         return self.encode(delta)
 
     def truncate(self, text: str, max_tokens: int, side: str) -> tuple[str, bool]:
-        """Cut `text` to `max_tokens` tokens keeping the `side`-opposite part; returns (text, was_cut)."""
-        # Every token covers at least one character, so a pre-cut to a generous char window
-        # keeps tokenization cheap on megabyte outputs without changing the result's tokens much.
+        """Cut `text` to at most `max_tokens` tokens; returns (text, was_cut).
+
+        `side` is the part that is cut: "left" keeps the end, "right" keeps the start, "middle"
+        keeps both ends. A marker shows the model where text was removed.
+        """
+        # Pre-cut megabyte outputs to a generous character window so tokenizing stays cheap.
         window = max_tokens * 32
-        if len(text) > 2 * window:
+        precut = len(text) > 2 * window
+        if precut:
             text = {"left": text[-window:], "right": text[:window], "middle": text[: window // 2] + text[-window // 2:]}[side]
-            cut = True
-        else:
-            cut = False
         ids = self.encode(text)
-        if len(ids) <= max_tokens:
-            return text, cut
+        if len(ids) <= max_tokens and not precut:
+            return text, False
         marker = "...(truncated)..."
-        keep = max(max_tokens - len(self.encode(marker)), 1)
-        if side == "left":
-            return marker + self.tokenizer.decode(ids[-keep:]), True
-        if side == "right":
-            return self.tokenizer.decode(ids[:keep]) + marker, True
-        head = keep // 2
-        return self.tokenizer.decode(ids[:head]) + marker + self.tokenizer.decode(ids[len(ids) - (keep - head):]), True
+        keep = max_tokens - len(self.encode(marker))
+        while True:
+            keep = max(min(keep, len(ids)), 0)
+            head = {"left": 0, "right": keep, "middle": keep // 2}[side]
+            head_text = self.tokenizer.decode(ids[:head]) if head else ""
+            tail_text = self.tokenizer.decode(ids[len(ids) - (keep - head):]) if keep - head else ""
+            out = head_text + marker + tail_text
+            # Re-encoding can merge or split at the cut points (or at a split UTF-8 byte): shrink until it fits.
+            excess = len(self.encode(out)) - max_tokens
+            if excess <= 0 or keep == 0:
+                return out, True
+            keep -= excess
 
     def drift_index(self, traj: Trajectory, tools: list[dict[str, Any]] | None) -> int | None:
         """First index where the re-rendered chat's ids differ from the trajectory's; None when they agree.

@@ -27,7 +27,7 @@ from rollout.tools.schemas import OpenAIFunctionCallSchema, OpenAIFunctionToolSc
 
 logger = logging.getLogger(__name__)
 
-# Formats whose detector has a literal start tag we can split on; others are parsed whole.
+# Every tool-call format name SGLang's FunctionCallParser knows (the `multi_turn.format` choices).
 SUPPORTED_FORMATS = tuple(sorted(FunctionCallParser.ToolCallParserEnum))
 
 

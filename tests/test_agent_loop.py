@@ -531,6 +531,11 @@ def test_tool_output_truncated_to_token_budget(tokenizer, side):
     assert ("w399" in cut) == (side in ("left", "middle"))
     short, was_cut = codec.truncate("w1 w2", 40, side)
     assert short == "w1 w2" and not was_cut
+    # multi-byte characters split by the cut, and a megabyte output, still fit the budget
+    for long_text in ("é漢字🙂 " * 500, "y" * (1 << 20)):
+        cut, was_cut = codec.truncate(long_text, 40, side)
+        assert was_cut and "...(truncated)..." in cut
+        assert len(tokenizer.encode(cut, add_special_tokens=False)) <= 40
 
 
 def test_config_validation_names_the_key():

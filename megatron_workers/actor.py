@@ -361,6 +361,21 @@ class MegatronRunner:
         local = size // dp
         return [{k: v[i:i + local] for k, v in batch.items()} for i in range(0, B, local)]
 
+    def _infer(self, batch: Batch, keys: tuple[str, ...]) -> Batch:
+        """Forward-only pass; the head's `keys` as `(B, T)` tensors (0 off the response mask),
+        complete on the last pipeline stage (other stages return an empty dict)."""
+        validate_batch(batch)
+        records = self._forward_backward(
+            split_micro_batches(batch, self.cfg),
+            lambda mb, head: (torch.zeros(()), {"rows": mb.rows, **{k: head[k] for k in keys}}),
+            forward_only=True,
+        )
+        if not mpu.is_pipeline_last_stage():
+            return {}
+        B, T = batch["responses"].shape
+        mask = batch["response_mask"].float()
+        return {k: _scatter_rows([(r["rows"], r[k]) for r in records], B, T) * mask for k in keys}
+
     def _train(self, batch: Batch, loss_fn: LossFn, epochs: int, prefix: str) -> dict[str, float]:
         """Mini-batch / epoch loop: per mini-batch one forward-backward over its micro-batches,
         a finite-gradient check, one optimizer step and one LR scheduler step."""
@@ -434,6 +449,10 @@ class MegatronRunner:
         self.step = checkpoint.load_rank(path, self.module, self.optimizer, self.scheduler)
         return self.step
 
+    def hf_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        """The full HF-named state dict on global rank 0 (None elsewhere; collective)."""
+        return mmodel.export_hf_state_dict(self.module, self.hf_config, dst_rank=0)
+
     def export_hf(self, path: str) -> None:
         """Write an HF checkpoint directory (gathered to global rank 0; collective)."""
         checkpoint.export_hf(path, self.module, self.hf_config, self.hf_dir)
@@ -461,26 +480,8 @@ class MegatronActor(MegatronRunner):
         Returns `{"log_probs": (B, T)}` plus `"entropy": (B, T)` when asked; complete on the last
         pipeline stage (other stages return an empty dict).
         """
-        validate_batch(batch)
-        for chunk in self.model:
-            chunk.eval()
-        try:
-            records = self._forward_backward(
-                split_micro_batches(batch, self.cfg),
-                lambda mb, head: (torch.zeros(()), {"rows": mb.rows, **{k: head[k] for k in ("log_probs", "entropy")}}),
-                forward_only=True,
-            )
-        finally:
-            for chunk in self.model:
-                chunk.train()
-        if not mpu.is_pipeline_last_stage():
-            return {}
-        B, T = batch["responses"].shape
-        mask = batch["response_mask"].float()
-        out = {"log_probs": _scatter_rows([(r["rows"], r["log_probs"]) for r in records], B, T) * mask}
-        if calculate_entropy:
-            out["entropy"] = _scatter_rows([(r["rows"], r["entropy"]) for r in records], B, T) * mask
-        return out
+        keys = ("log_probs", "entropy") if calculate_entropy else ("log_probs",)
+        return self._infer(batch, keys)
 
     def update_policy(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
         """PPO-style update: `ppo_epochs` passes of one optimizer step per mini-batch.

@@ -151,13 +151,16 @@ def _roundtrip_mismatches(
     return problems
 
 
-def _worker(rank: int, world_size: int, port: int, hf_dir: str, tp: int, pp: int, batch: ParityBatch, out_dir: str) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, hf_dir: str, hf_config: dict[str, Any], tp: int, pp: int,
+    batch: ParityBatch, out_dir: str,
+) -> None:
     """One Megatron rank: load shards, forward the batch, export, write results to out_dir."""
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     parallel.init_distributed(rank, world_size, "127.0.0.1", port, tp, pp, timeout_minutes=5)
     try:
-        hf_config, state = conversion.load_hf_checkpoint(hf_dir)
+        state = conversion.load_hf_state_dict(hf_dir)
         gpt = conversion.build_gpt_model(hf_config)
         conversion.load_hf_weights(gpt, state, hf_config)
         gpt.eval()
@@ -206,7 +209,7 @@ def run_parity(hf_dir: str | Path, tp: int, pp: int, seed: int = 0) -> ParityRep
     with tempfile.TemporaryDirectory(prefix="polyturn-parity-") as out_dir:
         mp.spawn(
             _worker,
-            args=(world_size, _free_port(), str(hf_dir), tp, pp, batch, out_dir),
+            args=(world_size, _free_port(), str(hf_dir), hf_config.to_dict(), tp, pp, batch, out_dir),
             nprocs=world_size,
             join=True,
         )

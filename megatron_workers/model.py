@@ -453,15 +453,21 @@ def export_hf_state_dict(model: torch.nn.Module, hf_config: Any, *, dst_rank: in
 
 
 def load_hf_checkpoint(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
-    """(config, state dict) of a local HF checkpoint dir: config.json + model.safetensors or a
-    sharded `model.safetensors.index.json`. Tensors load on the CPU in their stored dtype."""
-    from safetensors.torch import load_file
+    """(config, state dict) of a local HF checkpoint dir: config.json + safetensors weights."""
     from transformers import AutoConfig
 
     root = Path(path)
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"{root}/config.json not found: pass an HF checkpoint directory")
-    config = AutoConfig.from_pretrained(root)
+    return AutoConfig.from_pretrained(root), load_hf_state_dict(root)
+
+
+def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of `model.safetensors` or of every shard in `model.safetensors.index.json`,
+    on the CPU in their stored dtype (no transformers import: cheap in worker processes)."""
+    from safetensors.torch import load_file
+
+    root = Path(path)
     index = root / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -476,4 +482,4 @@ def load_hf_checkpoint(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
     for name in files:
         state.update(load_file(root / name, device="cpu"))
     logger.info("loaded %d tensors from %s (%d file(s))", len(state), root, len(files))
-    return config, state
+    return state

@@ -219,7 +219,9 @@ def run_parity(hf_dir: str | Path, tp: int, pp: int, seed: int = 0) -> ParityRep
     problems: list[str] = []
     logit_diff = _compare("logits", ref_logits, forward["logits"], batch.attention_mask, problems)
     logprob_diff = _compare("log-probs", ref_logprobs, forward["logprobs"], batch.attention_mask[:, 1:], problems)
-    return ParityReport(tp, pp, logit_diff, logprob_diff, roundtrip_exact=not roundtrip, mismatches=problems + roundtrip)
+    return ParityReport(
+        tp, pp, logit_diff, logprob_diff, roundtrip_exact=not roundtrip, mismatches=problems + roundtrip
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,8 @@ from __future__ import annotations
 import functools
 import logging
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import cpu_standins
 

@@ -195,8 +195,11 @@ def build_gpt_model(
     post_process: bool | None = None,
     **overrides: Any,
 ) -> GPTModel:
-    """This rank's `GPTModel` stage (TP/PP position from `parallel_state`), weights uninitialised
-    for conversion; `overrides` go to `hf_to_transformer_config` (params_dtype included)."""
+    """This rank's `GPTModel` stage (TP/PP position from `parallel_state`), randomly initialised;
+    fill it with `load_hf_weights`. `overrides` go to `hf_to_transformer_config` (params_dtype too).
+
+    Needs `parallel.init_distributed` first. Uses Megatron's local layer spec (no TransformerEngine).
+    """
     shape = read_decoder_shape(hf_config)
     overrides.setdefault("tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size())
     overrides.setdefault("pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size())
@@ -292,7 +295,19 @@ def _local_rules(shape: DecoderShape, stage: int, pp: int) -> list[_Rule]:
     return rules
 
 
-def _unwrapped_params(model: torch.nn.Module, shape: DecoderShape, stage: int, pp: int) -> dict[str, torch.nn.Parameter]:
+def _position() -> tuple[int, int, int, int]:
+    """(tp size, tp rank, pp size, pp stage) of this rank, from parallel_state."""
+    return (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+    )
+
+
+def _unwrapped_params(
+    model: torch.nn.Module, shape: DecoderShape, stage: int, pp: int
+) -> dict[str, torch.nn.Parameter]:
     """The GPTModel's parameters by local name, after checking its layers are this stage's."""
     gpt = unwrap_model(model)
     per_stage = shape.num_layers // pp
@@ -382,8 +397,7 @@ def load_hf_weights(model: torch.nn.Module, hf_state_dict: Mapping[str, torch.Te
     needs, before copying anything. Values are cast to the parameters' dtype.
     """
     shape = read_decoder_shape(hf_config)
-    tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
-    pp, stage = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
+    tp, tp_rank, pp, stage = _position()
     params = _unwrapped_params(model, shape, stage, pp)
     rules = _local_rules(shape, stage, pp)
     check_hf_state_dict(hf_state_dict, hf_config, names=[n for r in rules for n in r.hf_names])
@@ -414,9 +428,9 @@ def iter_hf_tensors(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[st
     memory per step is one full tensor. Dtype is the parameters' dtype.
     """
     shape = read_decoder_shape(hf_config)
-    tp_group, pp_group = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_pipeline_model_parallel_group()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    pp, stage = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_rank()
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    tp, _, pp, stage = _position()
     params = _unwrapped_params(model, shape, stage, pp)
     hf_shapes = hf_tensor_shapes(hf_config)
     pp_ranks = torch.distributed.get_process_group_ranks(pp_group) if pp > 1 else []
@@ -431,15 +445,18 @@ def iter_hf_tensors(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[st
                 torch.distributed.all_gather(shards, local.contiguous(), group=tp_group)
             tensors = _shards_to_hf(rule, shards, shape)
         else:
-            tensors = [torch.empty(hf_shapes[n], dtype=some_param.dtype, device=some_param.device) for n in rule.hf_names]
-        for name, tensor in zip(rule.hf_names, tensors):
+            like = dict(dtype=some_param.dtype, device=some_param.device)
+            tensors = [torch.empty(hf_shapes[n], **like) for n in rule.hf_names]
+        for name, tensor in zip(rule.hf_names, tensors, strict=True):
             tensor = tensor.contiguous()
             if pp > 1:
                 torch.distributed.broadcast(tensor, src=pp_ranks[owner], group=pp_group)
             yield name, tensor
 
 
-def export_hf_state_dict(model: torch.nn.Module, hf_config: Any, *, dst_rank: int = 0) -> dict[str, torch.Tensor] | None:
+def export_hf_state_dict(
+    model: torch.nn.Module, hf_config: Any, *, dst_rank: int = 0
+) -> dict[str, torch.Tensor] | None:
     """The full HF state dict (TP/PP shards gathered) on global rank `dst_rank`, None elsewhere.
 
     Collective over all model-parallel ranks (see `iter_hf_tensors`). Tensors are CPU clones.

@@ -108,25 +108,25 @@ def _megatron_forward(model: torch.nn.Module, batch: ParityBatch) -> dict[str, t
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    ids = batch.input_ids
+    device = next(model.parameters()).device
+    ids = batch.input_ids.to(device)  # (B, T)
     bsz, length = ids.shape
-    position_ids = torch.arange(length)[None, :].expand(bsz, length)  # (B, T)
-    mask = megatron_attention_mask(batch.attention_mask)
+    position_ids = torch.arange(length, device=device)[None, :].expand(bsz, length)  # (B, T)
+    mask = megatron_attention_mask(batch.attention_mask).to(device)  # (B, 1, T, T)
 
     def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         shard = output.float()  # (B, T, V/tp)
         logprobs = -tensor_parallel.vocab_parallel_cross_entropy(shard[:, :-1].clone(), ids[:, 1:])  # (B, T-1)
         logits = tensor_parallel.gather_from_tensor_model_parallel_region(shard)  # (B, T, V)
-        return torch.zeros(()), {"logits": logits, "logprobs": logprobs}
+        return torch.zeros((), device=device), {"logits": logits.cpu(), "logprobs": logprobs.cpu()}
 
-    def forward_step(data_iterator: Any, gpt: torch.nn.Module) -> tuple[torch.Tensor, Any]:
-        next(data_iterator)
+    def forward_step(_data_iterator: None, gpt: torch.nn.Module) -> tuple[torch.Tensor, Any]:
         return gpt(ids, position_ids, mask), loss_func
 
     with torch.no_grad():
         outputs = get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter([batch]),
+            data_iterator=None,  # one micro-batch, closed over by forward_step
             model=[model],
             num_microbatches=1,
             seq_length=length,
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     try:
         report = run_parity(args.hf, args.tp, args.pp, args.seed)
-    except (ValueError, FileNotFoundError, mp.ProcessRaisedException) as exc:
+    except (ValueError, FileNotFoundError, mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
         logger.error("parity check could not run: %s", exc)
         print(json.dumps({"tp": args.tp, "pp": args.pp, "error": str(exc).strip().splitlines()[-1]}))
         return 2

@@ -122,7 +122,7 @@ class RolloutPrompt:
     uid: str  # unique id of the prompt (the GRPO group id)
     messages: list[dict[str, Any]]  # the chat so far (system / user messages)
     tools_kwargs: dict[str, Any] = field(default_factory=dict)  # {tool: {create_kwargs, execute_kwargs, ...}}
-    interaction_kwargs: dict[str, Any] = field(default_factory=dict)  # {"name": interaction, ...}; empty: none
+    interaction_kwargs: dict[str, Any] = field(default_factory=dict)  # {"name": interaction, ...}; empty: no simulated user
     ground_truth: Any = None  # reward_model.ground_truth
     extra_info: dict[str, Any] = field(default_factory=dict)  # the row's extra_info
 
@@ -293,8 +293,10 @@ class AgentLoop:
         trajs: list[Trajectory] = []
         jobs = []
         for p in prompts:
+            tool_names = self.tools.select(p.tools_kwargs)
+            prompt_ids = self.codec.prompt_ids(p.messages, self.tools.schemas(tool_names) if tool_names else None)
             for k in range(self.config.n):
-                traj = self._new_trajectory(p, k)
+                traj = self._new_trajectory(p, k, tool_names, prompt_ids)
                 trajs.append(traj)
                 jobs.append(self._run(traj))
         self._tasks = {asyncio.ensure_future(j) for j in jobs}
@@ -327,16 +329,14 @@ class AgentLoop:
 
     # ---- one trajectory ----------------------------------------------------------------
 
-    def _new_trajectory(self, p: RolloutPrompt, k: int) -> Trajectory:
-        tool_names = self.tools.select(p.tools_kwargs)
-        schemas = self.tools.schemas(tool_names) if tool_names else None
+    def _new_trajectory(self, p: RolloutPrompt, k: int, tool_names: list[str], prompt_ids: list[int]) -> Trajectory:
         return Trajectory(
             uid=f"{p.uid}/{k}",
             prompt_uid=p.uid,
             sample_index=k,
-            prompt_ids=self.codec.prompt_ids(p.messages, schemas),
+            prompt_ids=list(prompt_ids),
             messages=[dict(m) for m in p.messages],
-            tool_names=tool_names,
+            tool_names=list(tool_names),
             tools_kwargs=dict(p.tools_kwargs),
             interaction_kwargs=dict(p.interaction_kwargs),
             ground_truth=p.ground_truth,

@@ -87,7 +87,6 @@ class ActorConfig:
     micro_batch_size: int = 4  # rows per micro-batch (when use_dynamic_bsz is False)
     use_dynamic_bsz: bool = False  # pack micro-batches by token count instead of rows
     max_token_len: int = 8192  # dynamic micro-batch budget: rows * padded window length
-    ppo_mini_batch_size: int = 0  # samples per optimizer step over all DP ranks; 0 = whole batch
     ppo_epochs: int = 1  # passes over the batch in update_policy
     temperature: float = 1.0  # logits are divided by this before the softmax (match the rollout)
     optim: Optional[OptimConfig] = field(default_factory=OptimConfig)  # None: reference policy
@@ -348,17 +347,16 @@ class MegatronRunner:
         torch.distributed.all_reduce(counts, group=mpu.get_data_parallel_group())
         return int(counts[0]), int(counts[1])
 
-    def _mini_batches(self, batch: Batch) -> list[Batch]:
-        """Local mini-batches: with the group's mini-batch-aware split, local i is part of global i."""
+    def _mini_batches(self, batch: Batch, num_mini_batches: int) -> list[Batch]:
+        """This rank's piece of each global mini-batch (the group's mini-batch-aware split puts
+        piece `d` of global mini-batch `i` at local rows `[i * B / n, (i + 1) * B / n)`)."""
         B = batch["input_ids"].shape[0]
-        dp = mpu.get_data_parallel_world_size()
-        size = self.cfg.ppo_mini_batch_size or B * dp
-        if size % dp or (B * dp) % size:
+        if num_mini_batches < 1 or B % num_mini_batches:
             raise ValueError(
-                f"ppo_mini_batch_size={size} must be a multiple of the DP size {dp} and divide the "
-                f"global batch ({B * dp} samples)"
+                f"num_mini_batches={num_mini_batches} must be >= 1 and divide this rank's {B} samples; "
+                "make the global batch a multiple of ppo_mini_batch_size * dp"
             )
-        local = size // dp
+        local = B // num_mini_batches
         return [{k: v[i:i + local] for k, v in batch.items()} for i in range(0, B, local)]
 
     def _infer(self, batch: Batch, keys: tuple[str, ...]) -> Batch:
@@ -376,7 +374,7 @@ class MegatronRunner:
         mask = batch["response_mask"].float()
         return {k: _scatter_rows([(r["rows"], r[k]) for r in records], B, T) * mask for k in keys}
 
-    def _train(self, batch: Batch, loss_fn: LossFn, epochs: int, prefix: str) -> dict[str, float]:
+    def _train(self, batch: Batch, loss_fn: LossFn, num_mini_batches: int, epochs: int, prefix: str) -> dict[str, float]:
         """Mini-batch / epoch loop: per mini-batch one forward-backward over its micro-batches,
         a finite-gradient check, one optimizer step and one LR scheduler step."""
         if self.optimizer is None:
@@ -384,7 +382,7 @@ class MegatronRunner:
         totals: dict[str, float] = {}
         n_steps = 0
         for _ in range(epochs):
-            for i, mini in enumerate(self._mini_batches(batch)):
+            for i, mini in enumerate(self._mini_batches(batch, num_mini_batches)):
                 tokens, seqs = self._global_counts(mini)
 
                 def on_outputs(mb: MicroBatch, head: dict[str, torch.Tensor]):
@@ -483,17 +481,19 @@ class MegatronActor(MegatronRunner):
         keys = ("log_probs", "entropy") if calculate_entropy else ("log_probs",)
         return self._infer(batch, keys)
 
-    def update_policy(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
+    def update_policy(self, batch: Batch, loss_fn: LossFn, num_mini_batches: int = 1) -> dict[str, float]:
         """PPO-style update: `ppo_epochs` passes of one optimizer step per mini-batch.
 
-        `loss_fn` is the trainer's policy loss (see the module docstring for its contract).
-        Returns `actor/*` metrics averaged over optimizer steps (loss_fn's metrics summed over
-        micro-batches and DP ranks first), plus `actor/grad_norm` and `actor/lr`.
+        `loss_fn` is the trainer's policy loss (see the module docstring for its contract);
+        `num_mini_batches` = global batch / ppo_mini_batch_size (the group's `dispatch(...,
+        mini_batches=n)` splits the batch to match and passes it here). Returns `actor/*`
+        metrics averaged over optimizer steps (loss_fn's metrics summed over micro-batches
+        and DP ranks first), plus `actor/grad_norm` and `actor/lr`.
         """
         validate_batch(batch)
-        return self._train(batch, loss_fn, self.cfg.ppo_epochs, "actor")
+        return self._train(batch, loss_fn, num_mini_batches, self.cfg.ppo_epochs, "actor")
 
-    def update_sft(self, batch: Batch) -> dict[str, float]:
+    def update_sft(self, batch: Batch, num_mini_batches: int = 1) -> dict[str, float]:
         """One pass of masked cross-entropy on the response tokens (`response_mask` = 1)."""
         validate_batch(batch)
-        return self._train(batch, sft_loss, 1, "sft")
+        return self._train(batch, sft_loss, num_mini_batches, 1, "sft")

@@ -74,10 +74,11 @@ class MegatronCritic(MegatronRunner):
         """Per-token values `(B, T)` of the response positions (0 on padding); last stage only."""
         return self._infer(batch, ("values",))
 
-    def update_critic(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
-        """`ppo_epochs` passes of one optimizer step per mini-batch on the trainer's value loss."""
+    def update_critic(self, batch: Batch, loss_fn: LossFn, num_mini_batches: int = 1) -> dict[str, float]:
+        """`ppo_epochs` passes of one optimizer step per mini-batch on the trainer's value loss
+        (`loss_fn` contract and `num_mini_batches` as in `MegatronActor.update_policy`)."""
         validate_batch(batch)
-        return self._train(batch, loss_fn, self.cfg.ppo_epochs, "critic")
+        return self._train(batch, loss_fn, num_mini_batches, self.cfg.ppo_epochs, "critic")
 
     def hf_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         raise NotImplementedError(_NO_HF_FORM)

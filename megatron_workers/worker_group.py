@@ -8,13 +8,13 @@ actor, reference or critic of `actor.py` / `critic.py`) from a picklable factory
 group calls the role's methods:
 
 - `call_all(method, ...)`: the same arguments to every rank, every rank's result back;
-- `dispatch(method, batch, ...)`: the batch (a dict of `(B, ...)` tensors) is split along
-  dim 0 into DP shards; every TP/PP rank of DP rank `d` receives shard `d`; the results of
+- `dispatch(method, batch, mini_batches=None, ...)`: the batch (a dict of `(B, ...)`
+  tensors) is split along dim 0 into DP shards; every TP/PP rank of DP rank `d` receives shard `d`; the results of
   the *collector* ranks (last pipeline stage, TP rank 0: the ones holding complete outputs)
   come back in DP order.
 
 Where it departs from verl's single-controller dispatch: the split can be *mini-batch
-aware* (`num_mini_batches`): each mini-batch is split across DP ranks separately, so global
+aware* (`mini_batches`): each mini-batch is split across DP ranks separately, so global
 mini-batch `i` holds the same samples for any DP size, and parallelism does not change
 which samples share an optimizer step.
 
@@ -250,13 +250,17 @@ class MegatronWorkerGroup:
         """Call `role.method(*args, **kwargs)` on every rank; results in rank order."""
         return ray.get([w.call.remote(method, *args, **kwargs) for w in self._workers])
 
-    def dispatch(self, method: str, batch: Batch, *, num_mini_batches: int = 1, **kwargs: Any) -> list[Any]:
+    def dispatch(self, method: str, batch: Batch, *, mini_batches: Optional[int] = None, **kwargs: Any) -> list[Any]:
         """Split `batch` over DP ranks, call `role.method(shard, **kwargs)` everywhere.
 
-        Returns the collector ranks' results (last PP stage, TP rank 0), one per DP rank, in
-        DP order. See `split_batch` for how `num_mini_batches` shapes the split.
+        With `mini_batches=n` the split is mini-batch aware (see `split_batch`) and
+        `num_mini_batches=n` is passed to the method as well, so caller and ranks cannot
+        disagree on it. Returns the collector ranks' results (last PP stage, TP rank 0), one
+        per DP rank, in DP order.
         """
-        shards = [ray.put(s) for s in split_batch(batch, self.layout.dp, num_mini_batches)]
+        if mini_batches is not None:
+            kwargs["num_mini_batches"] = mini_batches
+        shards = [ray.put(s) for s in split_batch(batch, self.layout.dp, mini_batches or 1)]
         futures = [w.call.remote(method, shards[info.dp_rank], **kwargs) for w, info in zip(self._workers, self.ranks)]
         results = ray.get(futures)
         by_dp = {info.dp_rank: r for info, r in zip(self.ranks, results) if info.is_collector}

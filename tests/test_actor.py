@@ -272,7 +272,7 @@ def build_actor(group, model_dir: Path, role_cls=None, **cfg_kwargs) -> None:
 def update(group, batch: dict, mini_batch_size: int, loss_fn=masked_pg_loss) -> dict:
     """One update_policy call through the group; returns the (DP-summed) metrics."""
     n_mini = batch["input_ids"].shape[0] // mini_batch_size
-    return group.dispatch("update_policy", batch, num_mini_batches=n_mini, loss_fn=loss_fn)[0]
+    return group.dispatch("update_policy", batch, mini_batches=n_mini, loss_fn=loss_fn)[0]
 
 
 def hf_weights(group) -> dict[str, torch.Tensor]:

@@ -71,3 +71,21 @@ def test_cli_names_the_missing_tensor(checkpoints, tmp_path):
     assert proc.returncode == 2
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "missing tensor model.layers.1.mlp.gate_proj.weight" in summary["error"]
+
+
+@pytest.mark.integration
+def test_a_real_disagreement_fails_the_check(checkpoints, monkeypatch):
+    """The checker is not a rubber stamp: a 1e-3 change in one reference logit fails it and names where."""
+    true_reference = check_parity.hf_reference
+
+    def shifted_reference(hf_dir, batch):
+        logits, logprobs = true_reference(hf_dir, batch)
+        logits = logits.clone()
+        logits[1, 3, 7] += 1e-3
+        return logits, logprobs
+
+    monkeypatch.setattr(check_parity, "hf_reference", shifted_reference)
+    report = check_parity.run_parity(checkpoints[False], tp=1, pp=1)
+    assert not report.passed
+    assert report.max_abs_logit_diff > check_parity.TOLERANCE
+    assert any("sequence 1, position 3" in m for m in report.mismatches)

@@ -39,11 +39,6 @@ _MARK = "_polyturn_cpu_compat"
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
 
 
-def gpu_present() -> bool:
-    """True when torch sees a CUDA device; then no adaptation is applied."""
-    return torch.cuda.is_available()
-
-
 def _cpu_device(*_args: Any, **_kwargs: Any) -> torch.device:
     return torch.device("cpu")
 
@@ -86,7 +81,7 @@ def apply_cpu_compat() -> bool:
     Call it before building models or running a pipeline schedule (`megatron_workers.parallel`
     calls it from `init_distributed`).
     """
-    if gpu_present():
+    if cpu_standins.gpu_present():
         return False
     if getattr(torch.cuda.current_device, _MARK, False):
         return True

@@ -1,0 +1,125 @@
+"""MegatronWorkerGroup: batch splitting, layout refusals before any actor starts, rank wiring."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from megatron_workers.worker_group import ParallelLayout, concat_results, split_batch
+
+
+@pytest.mark.unit
+def test_split_batch_is_mini_batch_aware_and_concat_inverts_contiguous_split():
+    """Contract: with n mini-batches, DP shard d holds piece d of every mini-batch in order, so a
+    rank's local mini-batch i is part of global mini-batch i for any DP size; with one
+    mini-batch, concatenating the shards in DP order gives the batch back."""
+    batch = {"x": torch.arange(12), "y": torch.arange(24).view(12, 2)}
+    shards = split_batch(batch, dp=2, num_mini_batches=3)
+    assert shards[0]["x"].tolist() == [0, 1, 4, 5, 8, 9]
+    assert shards[1]["x"].tolist() == [2, 3, 6, 7, 10, 11]
+    assert shards[1]["y"][0].tolist() == [4, 5]
+    whole = concat_results(split_batch(batch, dp=3))
+    assert torch.equal(whole["x"], batch["x"]) and torch.equal(whole["y"], batch["y"])
+
+
+@pytest.mark.unit
+def test_split_batch_refuses_indivisible_or_ragged_batches():
+    """Contract: a batch that cannot be split evenly, or whose tensors disagree on the batch size,
+    is refused with the sizes and the fix."""
+    with pytest.raises(ValueError, match="multiple of 4"):
+        split_batch({"x": torch.arange(6)}, dp=2, num_mini_batches=2)
+    with pytest.raises(ValueError, match="disagree on the batch dimension"):
+        split_batch({"x": torch.arange(6), "y": torch.arange(5)}, dp=1)
+
+
+@pytest.mark.unit
+def test_parallel_layout_rejects_non_positive_sizes():
+    """Contract: a layout with a size < 1 is refused naming the field."""
+    assert ParallelLayout(tp=2, pp=2, dp=3).world_size == 12
+    with pytest.raises(ValueError, match="ParallelLayout.pp"):
+        ParallelLayout(pp=0)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    import cloudpickle
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.integration
+def test_layouts_that_do_not_fit_are_refused_before_any_actor_starts(ray_cluster, tiny_model_dir):
+    """Contract: TP not dividing the heads, PP not dividing the layers, or more ranks than the
+    cluster can hold are refused with a clear error, and no actor or placement group is left."""
+    import ray
+    from transformers import AutoConfig
+
+    from megatron_workers.worker_group import MegatronWorkerGroup
+
+    hf_config = AutoConfig.from_pretrained(tiny_model_dir)
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by tp=3"):
+        MegatronWorkerGroup(ParallelLayout(tp=3), hf_config=hf_config)
+    with pytest.raises(ValueError, match="num_hidden_layers=2 is not divisible by pp=4"):
+        MegatronWorkerGroup(ParallelLayout(pp=4), hf_config=hf_config)
+    with pytest.raises(RuntimeError, match="needs 4 CPUs .* the Ray cluster has 2"):
+        MegatronWorkerGroup(ParallelLayout(tp=2, dp=2), num_cpus_per_rank=1.0)
+    with pytest.raises(RuntimeError, match="needs 2 GPUs"):
+        MegatronWorkerGroup(ParallelLayout(tp=2), use_gpu=True)
+    assert not ray.util.placement_group_table()
+    assert ray.available_resources().get("CPU") == 2  # no actor holds a CPU share
+
+
+class Probe:
+    """A role that reports what each rank sees."""
+
+    def where(self) -> dict:
+        import importlib.util
+        import os
+
+        import torch.distributed as dist
+        from megatron.core import parallel_state as mpu
+
+        t = torch.ones(1) * dist.get_rank()
+        dist.all_reduce(t)
+        return {
+            "flash_mla": importlib.util.find_spec("flash_mla").origin,  # the CPU stand-in without a GPU
+            "omp": os.environ.get("OMP_NUM_THREADS"),
+            "world_sum": float(t),
+            "tp_world": mpu.get_tensor_model_parallel_world_size(),
+        }
+
+    def echo(self, shard: dict) -> dict:
+        return shard
+
+
+@pytest.mark.integration
+def test_group_wires_ranks_and_dispatches_by_dp_rank(ray_cluster):
+    """Contract: a TP2 x DP2 group initialises gloo + Megatron groups in every actor (they see the
+    CPU import stand-ins), reports each rank's coordinates, and dispatch returns each DP shard
+    from exactly one collector rank, in DP order."""
+    import cpu_standins
+    from megatron_workers.worker_group import MegatronWorkerGroup
+
+    group = MegatronWorkerGroup(ParallelLayout(tp=2, dp=2), num_cpus_per_rank=0.25)
+    try:
+        coords = sorted((r.tp_rank, r.pp_rank, r.dp_rank) for r in group.ranks)
+        assert coords == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)]
+        assert sum(r.is_collector for r in group.ranks) == 2
+        group.build(Probe)
+        seen = group.call_all("where")
+        assert all(s["world_sum"] == 6.0 and s["tp_world"] == 2 for s in seen)
+        if not torch.cuda.is_available():
+            assert all(s["flash_mla"].startswith(str(cpu_standins.STANDIN_DIR)) for s in seen)
+            assert all(s["omp"] == "1" for s in seen)
+        batch = {"x": torch.arange(8)}
+        out = group.dispatch("echo", batch)
+        assert [o["x"].tolist() for o in out] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        assert torch.equal(concat_results(out)["x"], batch["x"])
+    finally:
+        group.shutdown()

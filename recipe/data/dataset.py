@@ -1,0 +1,138 @@
+"""The RL dataset: verl-format parquet rows -> batches of `RolloutPrompt`s for the agent loop.
+
+Rows are read once, validated once, at load: every row needs a chat `prompt` and a
+`data_source`; a row whose `tools_kwargs` names a tool that is not in the tool registry, or
+whose `interaction_kwargs` routes to an unknown interaction, is refused naming the file, the
+row and the fix, so a typo in the data stops the run before the first rollout instead of
+failing one sample at a time mid-run.
+
+Where it departs from verl's `RLHFDataset`: rows are not tokenized here (the agent loop
+renders the chat template with each sample's own tool schemas); a tokenizer is used only to
+drop prompts longer than `max_prompt_length`, as verl's `filter_overlong_prompts` does.
+When a plug-in kind is not configured at all (no tool config / no interaction config), the
+rows' `tools_kwargs` / `interaction_kwargs` are ignored (logged once), as in verl. A null
+entry of `tools_kwargs` is dropped: parquet stores it as a struct over the tool names of all
+rows, so a row's own dict comes back with the other rows' tools set to null.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollout.agent_loop import RolloutPrompt
+from rollout.interactions.registry import InteractionRegistry
+from rollout.tools.registry import ToolRegistry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptBatch:
+    """One training step's prompts."""
+
+    prompts: list[RolloutPrompt]  # `train_batch_size` prompts, each rolled out `n` times
+    data_sources: dict[str, str]  # prompt uid -> the row's data_source (picks the outcome scorer)
+    epoch: int  # pass over the dataset this batch belongs to
+
+
+def read_parquet_rows(files: Sequence[str | Path]) -> list[tuple[str, dict[str, Any]]]:
+    """All rows of `files`, each with its `file[row]` location for error messages."""
+    import pyarrow.parquet as pq
+
+    rows = []
+    for f in files:
+        if not Path(f).is_file():
+            raise FileNotFoundError(f"data file {f} not found; preprocess the data first (e.g. python -m recipe.data.gsm8k)")
+        rows.extend((f"{f}[{i}]", row) for i, row in enumerate(pq.read_table(str(f)).to_pylist()))
+    return rows
+
+
+class RLDataset:
+    """Validated prompts of one or more parquet files, served as shuffled batches."""
+
+    def __init__(
+        self,
+        files: Sequence[str | Path],
+        tools: ToolRegistry,
+        interactions: InteractionRegistry,
+        *,
+        tokenizer: Any = None,
+        max_prompt_length: int | None = None,
+    ):
+        self.items: list[tuple[RolloutPrompt, str]] = []
+        dropped_kinds: set[str] = set()
+        overlong = 0
+        for where, row in read_parquet_rows(files):
+            prompt = self._validate(where, row, tools, interactions, dropped_kinds)
+            if tokenizer is not None and max_prompt_length is not None:
+                selected = tools.select(prompt.tools_kwargs)
+                schemas = tools.schemas(selected) if selected else None
+                ids = tokenizer.apply_chat_template(prompt.messages, tools=schemas, add_generation_prompt=True,
+                                                    tokenize=True, return_dict=False)
+                if len(ids) > max_prompt_length:
+                    overlong += 1
+                    continue
+            self.items.append((prompt, str(row["data_source"])))
+        for kind in sorted(dropped_kinds):
+            logger.warning("rows carry %s but none are configured; ignoring them", kind)
+        if overlong:
+            logger.warning("dropped %d prompts longer than data.max_prompt_length=%s", overlong, max_prompt_length)
+        if not self.items:
+            raise ValueError(f"no usable rows in {list(files)} (after dropping {overlong} overlong prompts); "
+                             "check the files or raise data.max_prompt_length")
+
+    @staticmethod
+    def _validate(where: str, row: dict[str, Any], tools: ToolRegistry, interactions: InteractionRegistry,
+                  dropped_kinds: set[str]) -> RolloutPrompt:
+        if not row.get("data_source"):
+            raise ValueError(f"{where}: no data_source; each row needs one (it selects the reward scorer)")
+        try:
+            prompt = RolloutPrompt.from_row(row, uid=where)
+            # parquet stores tools_kwargs as a struct over every row's tool names: null means "not this row's"
+            prompt.tools_kwargs = {k: v for k, v in prompt.tools_kwargs.items() if v is not None}
+            if not prompt.messages:
+                raise ValueError("`prompt` is empty; it needs at least one user message")
+            if prompt.tools_kwargs and not tools.names:
+                dropped_kinds.add("tools_kwargs")
+                prompt.tools_kwargs = {}
+            if prompt.interaction_kwargs and not interactions.names:
+                dropped_kinds.add("interaction_kwargs")
+                prompt.interaction_kwargs = {}
+            tools.validate_sample(prompt.tools_kwargs)
+            if prompt.interaction_kwargs:
+                interactions.validate_sample(prompt.interaction_kwargs)
+        except (ValueError, KeyError) as err:
+            raise ValueError(f"{where}: {err}") from err
+        return prompt
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def batches(self, batch_size: int, *, seed: int = 0, shuffle: bool = True) -> Iterator[PromptBatch]:
+        """Endless batches of `batch_size` prompts: one seeded shuffle per epoch, the last partial batch dropped.
+
+        Each prompt gets a uid unique over the run (`e<epoch>/<position>`), its GRPO group id.
+        """
+        if batch_size > len(self.items):
+            raise ValueError(f"data.train_batch_size={batch_size} is larger than the dataset ({len(self.items)} "
+                             "usable rows); lower it or add data")
+        epoch = 0
+        while True:
+            order = list(range(len(self.items)))
+            if shuffle:
+                random.Random(seed + epoch).shuffle(order)
+            for start in range(0, len(order) - batch_size + 1, batch_size):
+                prompts, sources = [], {}
+                for pos in order[start:start + batch_size]:
+                    base, source = self.items[pos]
+                    uid = f"e{epoch}/{pos}"
+                    prompts.append(RolloutPrompt(uid=uid, messages=base.messages, tools_kwargs=base.tools_kwargs,
+                                                 interaction_kwargs=base.interaction_kwargs,
+                                                 ground_truth=base.ground_truth, extra_info=base.extra_info))
+                    sources[uid] = source
+                yield PromptBatch(prompts=prompts, data_sources=sources, epoch=epoch)
+            epoch += 1

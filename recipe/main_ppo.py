@@ -1,0 +1,172 @@
+"""Entry point: `python -m recipe.main_ppo [--config-name PRESET] [key=value ...]` (Hydra).
+
+Validates the config into `PPOConfig` (errors name the key before anything starts), finds the
+model (a local directory, a hub id downloaded here, or the tiny test model written into the
+output dir by the CPU preset), loads and validates the data against the tool and interaction
+registries, starts a local Ray cluster, builds the Megatron actor group (+ reference when a
+KL term is used, + critic for GAE) and the SGLang engines, and runs the trainer.
+
+Where it departs from verl's `main_ppo`: the SGLang engines run in this (driver) process,
+each with its scheduler in its own subprocesses, rather than inside the actor's Ray workers;
+weights reach them from the actor group as HF-named tensor buckets.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from recipe.config_schema import PPOConfig, is_hub_id
+from recipe.data.dataset import PromptBatch, RLDataset
+from recipe.tracking import Tracking
+from recipe.trainer import Trainer, Workers
+
+logger = logging.getLogger(__name__)
+
+
+def model_dir(cfg: PPOConfig) -> str:
+    """The policy checkpoint directory: the configured one, a hub download, or a fresh tiny model."""
+    m = cfg.actor_rollout_ref.model
+    if m.path is None:
+        from recipe.tiny_model import write_tiny_checkpoint
+
+        return str(write_tiny_checkpoint(Path(cfg.trainer.default_local_dir) / "tiny_model", seed=cfg.trainer.seed))
+    if is_hub_id(m.path):
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(m.path)
+    return m.path
+
+
+def start_ray(cfg: PPOConfig) -> None:
+    """A local Ray cluster with `ray_init.num_cpus` CPUs (reuses one already started)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=cfg.ray_init.num_cpus, _temp_dir=cfg.ray_init.temp_dir, include_dashboard=False,
+                 log_to_driver=True)
+
+
+def _megatron_optimizer_on_cpu() -> None:
+    """TEMPORARY (asked of cpu_compat's owner; remove once `apply_cpu_compat` covers the optimizer):
+    megatron.core.optimizer makes a few tensors with device="cuda" and its grad clipping asserts CUDA
+    grads. Sends those factories to the CPU (cpu_compat's own view of torch) and clips with the same
+    math. A no-op with a GPU or when cpu_compat already adapted the optimizer modules."""
+    import torch
+
+    from megatron_workers import cpu_compat
+
+    if not cpu_compat.apply_cpu_compat():
+        return
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    if getattr(optimizer.torch, cpu_compat._MARK, False):
+        return
+    for module in (optimizer, clip_grads, utils):
+        module.torch = cpu_compat._torch_view_on_cpu()
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        grads = [getattr(p, attr) for p in parameters if getattr(p, attr, None) is not None]
+        coeff = max_norm / (total_norm + 1.0e-6)
+        if coeff < 1.0 and grads:
+            torch._foreach_mul_(grads, coeff)
+
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
+def _make_role(role: type, model_path: str, role_cfg):
+    """Build a Megatron role object inside its Ray actor."""
+    _megatron_optimizer_on_cpu()
+    return role(model_path, role_cfg)
+
+
+def build_workers(cfg: PPOConfig, model_path: str) -> Workers:
+    """Megatron groups (actor, reference if a KL term is used, critic for GAE) and the SGLang engines."""
+    from transformers import AutoConfig
+
+    from megatron_workers.actor import MegatronActor
+    from megatron_workers.critic import MegatronCritic
+    from megatron_workers.worker_group import MegatronWorkerGroup, ParallelLayout
+    from rollout.engines.sglang_engine import SGLangEngine
+
+    ar = cfg.actor_rollout_ref
+    m = ar.actor.megatron
+    layout = ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size, dp=cfg.dp_size)
+    hf_config = AutoConfig.from_pretrained(model_path)
+
+    def group(role: type, role_cfg) -> MegatronWorkerGroup:
+        g = MegatronWorkerGroup(layout, hf_config=hf_config, seed=cfg.trainer.seed)
+        g.build(functools.partial(_make_role, role, model_path, role_cfg))
+        return g
+
+    actor = group(MegatronActor, ar.actor.worker_config(ar.rollout.temperature))
+    ref = group(MegatronActor, ar.actor.worker_config(ar.rollout.temperature, with_optimizer=False)) \
+        if cfg.use_reference else None
+    critic = group(MegatronCritic, cfg.critic.worker_config()) if cfg.use_critic else None
+    r = ar.rollout
+    engines = [
+        SGLangEngine(model_path, name=f"engine{i}", dtype=r.dtype, tp_size=r.tensor_model_parallel_size,
+                     base_gpu_id=i * r.tensor_model_parallel_size, mem_fraction_static=r.gpu_memory_utilization,
+                     max_total_tokens=r.max_total_tokens, random_seed=cfg.trainer.seed + i, log_level="warning")
+        for i in range(r.num_engines)
+    ]
+    return Workers(actor=actor, ref=ref, critic=critic, engines=engines)
+
+
+def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Iterator[PromptBatch]]:
+    """Everything a run needs, started: the trainer and its endless prompt batches."""
+    from transformers import AutoTokenizer
+
+    from rollout.agent_loop import AgentLoop
+    from rollout.interactions.registry import InteractionRegistry
+    from rollout.tools.registry import ToolRegistry
+
+    path = model_dir(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    tools = ToolRegistry.from_config(mt.tool_config_path)
+    interactions = InteractionRegistry.from_config(mt.interaction_config_path)
+    dataset = RLDataset(cfg.data.train_files, tools, interactions, tokenizer=tokenizer,
+                        max_prompt_length=cfg.data.max_prompt_length)
+    logger.info("data: %d prompts from %s", len(dataset), cfg.data.train_files)
+    start_ray(cfg)
+    workers = build_workers(cfg, path)
+    loop = AgentLoop(workers.engines, tokenizer, cfg.actor_rollout_ref.rollout.agent_loop_config(
+        cfg.data.max_response_length), tools=tools, interactions=interactions)
+    t = cfg.trainer
+    tracker = Tracking(t.logger, t.project_name, t.experiment_name, t.default_local_dir, config=config_dict)
+    batches = dataset.batches(cfg.data.train_batch_size, seed=t.seed, shuffle=cfg.data.shuffle)
+    return Trainer(cfg, workers, loop, tracker), batches
+
+
+def run(cfg: PPOConfig, config_dict: dict | None = None) -> None:
+    """Build, train for `trainer.total_training_steps`, shut everything down."""
+    import ray
+
+    trainer, batches = build(cfg, config_dict)
+    try:
+        trainer.fit(batches)
+    finally:
+        trainer.close()
+        ray.shutdown()
+        # Last: SGLang's shutdown kills every child process of this one, Ray's own included.
+        for engine in trainer.workers.engines:
+            engine.shutdown()
+
+
+@hydra.main(config_path="config", config_name="ppo_trainer", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    """Hydra entry: validate the config, then `run`."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    config_dict = OmegaConf.to_container(cfg, resolve=True)
+    run(PPOConfig.from_dict(config_dict), config_dict)
+
+
+if __name__ == "__main__":
+    main()

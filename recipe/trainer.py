@@ -1,0 +1,246 @@
+"""The RL loop: one `Trainer.step` is rollout -> rewards -> log-probs -> advantages -> update -> sync -> log.
+
+The trainer drives parts that live elsewhere and passes each only plain data: the agent loop
+(`rollout`) returns trajectories and a padded batch; `recipe.reward` scores them; Megatron worker
+groups (`megatron_workers`, Ray actors) return log-probs / values and take PPO updates whose loss
+functions come from `recipe.algos`; weights go back to every SGLang engine as HF-named tensors in
+byte-size buckets (`megatron_workers.weights`), each engine's weight version is bumped and its
+prefix cache flushed, so step k's rollout samples with the weights of step k-1's update.
+
+Where it departs from verl's `RayPPOTrainer.fit`:
+- Rewards are three kinds on the token axis (`recipe.algos.place_token_rewards`): the outcome
+  score on the last sampled token, each tool call's step reward at the end of the assistant
+  turn that made the call, each interaction score at the end of the assistant turn it graded.
+- A trajectory with no sampled token (aborted or failed before its first token) cannot carry a
+  reward or a loss: it is dropped, and so are a few more samples when needed for the batch to
+  split evenly into mini-batches x DP ranks (`rollout/dropped_samples` counts both).
+- The rollout runs on one persistent asyncio loop owned by the trainer (tools keep per-loop state).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from megatron_workers.weights import bucket_by_bytes
+from megatron_workers.worker_group import MegatronWorkerGroup, concat_results
+from recipe.algos import (
+    AdvantageInputs,
+    compute_advantage,
+    apply_kl_penalty,
+    make_kl_controller,
+    place_token_rewards,
+    policy_loss,
+    value_loss,
+)
+from recipe.config_schema import PPOConfig
+from recipe.data.dataset import PromptBatch
+from recipe.reward import policy_text, score_trajectory
+from recipe.tracking import Tracking
+from rollout.agent_loop import AgentLoop, RolloutOutput
+from rollout.trajectory import Trajectory
+
+logger = logging.getLogger(__name__)
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class Workers:
+    """What the trainer drives: Megatron groups (ref / critic only when the algorithm needs them) and engines."""
+
+    actor: MegatronWorkerGroup
+    ref: MegatronWorkerGroup | None
+    critic: MegatronWorkerGroup | None
+    engines: list[Any]  # rollout.engines.sglang_engine.SGLangEngine (weight-sync receive side)
+
+
+@dataclass
+class RewardTerms:
+    """Per-sample rewards of a batch, before they are placed on the token axis."""
+
+    outcome: torch.Tensor  # (B,) the data source's score of the final answer
+    tool: list[list[tuple[int, float]]]  # per sample: (response index of the calling turn's end, step reward)
+    interaction: list[list[tuple[int, float]]]  # per sample: (response index of the graded turn's end, score)
+
+
+def reward_terms(trajs: list[Trajectory], data_sources: dict[str, str]) -> RewardTerms:
+    """Score each trajectory and locate its tool and interaction rewards on the response axis."""
+    outcome, tool, interaction = [], [], []
+    for t in trajs:
+        outcome.append(score_trajectory(data_sources[t.prompt_uid], t.messages, t.ground_truth))
+        ends = [max(s.end - 1, 0) for s in t.turns if s.role == "assistant"]  # last token of each assistant turn
+        tool.append([(ends[c.turn], c.step_reward) for c in t.tool_calls if c.step_reward])
+        calling = {c.turn for c in t.tool_calls}
+        graded = [ends[k] for k in range(len(ends)) if k not in calling]  # the interaction answers non-calling turns
+        interaction.append(list(zip(graded, t.interaction_scores)))
+    return RewardTerms(torch.tensor(outcome, dtype=torch.float32), tool, interaction)
+
+
+def trainable_rows(response_mask: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Indices of rows with at least one sampled token, cut to a multiple of `multiple` (in order)."""
+    rows = torch.nonzero(response_mask.sum(dim=1) > 0).flatten()
+    return rows[: len(rows) - len(rows) % multiple]
+
+
+class Timer:
+    """Wall time of named phases, as `timing/<name>_s` metrics."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.metrics[f"timing/{name}_s"] = time.monotonic() - t0
+
+
+def _stats(prefix: str, x: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float]:
+    values = x[mask.bool()] if mask is not None else x
+    if values.numel() == 0:
+        return {}
+    return {f"{prefix}/mean": float(values.mean()), f"{prefix}/max": float(values.max()), f"{prefix}/min": float(values.min())}
+
+
+class Trainer:
+    """GRPO / PPO on Megatron workers and SGLang engines; `fit` runs `trainer.total_training_steps` steps."""
+
+    def __init__(self, cfg: PPOConfig, workers: Workers, agent_loop: AgentLoop, tracker: Tracking):
+        self.cfg = cfg
+        self.workers = workers
+        self.agent_loop = agent_loop
+        self.tracker = tracker
+        self.weight_version = 0  # the engines start from the checkpoint the actor was built from
+        self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_ctrl)
+        self.policy_loss_fn = partial(policy_loss, cfg=cfg.actor_rollout_ref.actor.policy_loss())
+        self.value_loss_fn = partial(value_loss, cfg=cfg.critic.value_loss())
+        prompts = cfg.data.train_batch_size
+        self.actor_mini_batches = prompts // cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+        self.critic_mini_batches = prompts // cfg.critic.ppo_mini_batch_size if workers.critic else 1
+        self.row_multiple = math.lcm(self.actor_mini_batches, self.critic_mini_batches) * cfg.dp_size
+        self._loop = asyncio.new_event_loop()
+
+    def fit(self, batches: Iterator[PromptBatch]) -> None:
+        """Run the configured number of steps (step numbers start at 1)."""
+        for step in range(1, self.cfg.trainer.total_training_steps + 1):
+            self.step(next(batches), step)
+
+    def step(self, prompts: PromptBatch, step: int) -> dict[str, float]:
+        """One RL step; returns (and logs) its metrics."""
+        timer, algo = Timer(), self.cfg.algorithm
+        with timer("step"):
+            with timer("rollout"):
+                out = self._loop.run_until_complete(self.agent_loop.generate(prompts.prompts))
+            batch, trajs = self._trainable(out)
+            if not trajs:
+                logger.warning("step %d: no trajectory with a sampled token; skipping the update", step)
+                self.tracker.log({**out.metrics, **timer.metrics}, step)
+                return out.metrics
+            with timer("reward"):
+                terms = reward_terms(trajs, prompts.data_sources)
+                rw = self.cfg.reward
+                token_rewards = place_token_rewards(  # (B, T)
+                    batch["response_mask"], terms.outcome, terms.tool, terms.interaction, outcome_weight=rw.outcome_weight,
+                    tool_weight=rw.tool_weight, interaction_weight=rw.interaction_weight)
+            with timer("old_log_prob"):
+                batch["old_log_probs"] = self._infer(self.workers.actor, "compute_log_prob", batch)["log_probs"]
+            if self.workers.ref is not None:
+                with timer("ref"):
+                    batch["ref_log_probs"] = self._infer(self.workers.ref, "compute_log_prob", batch)["log_probs"]
+            if self.workers.critic is not None:
+                with timer("values"):
+                    batch["values"] = self._infer(self.workers.critic, "compute_values", batch)["values"]
+            kl_metrics = {}
+            if algo.use_kl_in_reward:
+                token_rewards, kl_metrics = apply_kl_penalty(token_rewards, batch["old_log_probs"], batch["ref_log_probs"],
+                                                             batch["response_mask"], self.kl_ctrl, algo.kl_penalty)
+            with timer("adv"):
+                batch["advantages"], batch["returns"] = compute_advantage(AdvantageInputs(
+                    token_rewards, batch["response_mask"], index=[t.prompt_uid for t in trajs],
+                    values=batch.get("values")), algo)
+            critic_metrics = {}
+            if self.workers.critic is not None:
+                with timer("update_critic"):
+                    critic_batch = {**batch, "old_values": batch["values"]}
+                    critic_metrics = self.workers.critic.dispatch(
+                        "update_critic", critic_batch, mini_batches=self.critic_mini_batches, loss_fn=self.value_loss_fn)[0]
+            with timer("update_actor"):
+                actor_metrics = self.workers.actor.dispatch(
+                    "update_policy", batch, mini_batches=self.actor_mini_batches, loss_fn=self.policy_loss_fn)[0]
+            with timer("sync_weights"):
+                self.sync_weights()
+        metrics = {**out.metrics, **actor_metrics, **critic_metrics, **kl_metrics, **timer.metrics,
+                   **self._data_metrics(batch, token_rewards, terms, trajs, len(out.trajectories) - len(trajs))}
+        metrics["perf/tokens_per_s"] = float(batch["attention_mask"].sum()) / timer.metrics["timing/step_s"]
+        self.tracker.log(metrics, step)
+        self._log_examples(trajs, terms, step)
+        return metrics
+
+    # ---- pieces of a step ----------------------------------------------------------------
+
+    def _trainable(self, out: RolloutOutput) -> tuple[Batch, list[Trajectory]]:
+        """The rollout's batch restricted to trajectories that can be trained on (see module doc)."""
+        rows = trainable_rows(out.batch["response_mask"], self.row_multiple)
+        batch = {k: v.index_select(0, rows) for k, v in out.batch.items()}
+        return batch, [out.trajectories[i] for i in rows.tolist()]
+
+    @staticmethod
+    def _infer(group: MegatronWorkerGroup, method: str, batch: Batch) -> Batch:
+        """A forward-only pass over the group (DP-split), results back in batch order."""
+        inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids",
+                                                           "responses", "response_mask")}
+        return concat_results(group.dispatch(method, inputs))
+
+    def sync_weights(self) -> None:
+        """Actor weights -> every engine: HF-named tensors in byte-size buckets, a new version, cache flushed."""
+        state = self.workers.actor.call_all("hf_state_dict")[0]  # global rank 0 holds the gathered HF state dict
+        buckets = list(bucket_by_bytes(state.items(), self.cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes << 20))
+        self.weight_version += 1
+        for engine in self.workers.engines:
+            for i, bucket in enumerate(buckets):
+                engine.update_weights_from_tensor(bucket, weight_version=self.weight_version,
+                                                  flush_cache=i == len(buckets) - 1)
+        logger.info("synced %d tensors in %d bucket(s) to %d engine(s): weight version %d",
+                    len(state), len(buckets), len(self.workers.engines), self.weight_version)
+
+    def _data_metrics(self, batch: Batch, token_rewards: torch.Tensor, terms: RewardTerms, trajs: list[Trajectory],
+                      dropped: int) -> dict[str, float]:
+        mask = batch["response_mask"]
+        m = {"rollout/dropped_samples": float(dropped), "trainer/weight_version": float(self.weight_version),
+             "rollout/weight_version_min": float(min(
+                 (min(t.weight_versions) for t in trajs if t.weight_versions), default=-1))}
+        m.update(_stats("critic/score", terms.outcome))
+        m.update(_stats("critic/rewards", token_rewards.sum(dim=1)))
+        m.update(_stats("critic/advantages", batch["advantages"], mask))
+        m.update(_stats("critic/returns", batch["returns"], mask))
+        if "values" in batch:
+            m.update(_stats("critic/values", batch["values"], mask))
+        m["reward/tool_mean"] = sum(r for steps in terms.tool for _, r in steps) / len(terms.tool)
+        m["reward/interaction_mean"] = sum(r for steps in terms.interaction for _, r in steps) / len(terms.interaction)
+        m["response_length/sampled_mean"] = float(mask.sum(dim=1).float().mean())
+        return m
+
+    def _log_examples(self, trajs: list[Trajectory], terms: RewardTerms, step: int, k: int = 4) -> None:
+        rows = [[t.uid, t.finish_reason.value if t.finish_reason else None, float(terms.outcome[i]),
+                 policy_text(t.messages)[-500:]] for i, t in enumerate(trajs[:k])]
+        self.tracker.log_table("rollout/examples", ["uid", "finish_reason", "score", "response_tail"], rows, step)
+
+    def close(self) -> None:
+        """Stop the worker groups, close the tools and the metrics sinks (the engines are the caller's)."""
+        self._loop.run_until_complete(self.agent_loop.tools.aclose())
+        self._loop.close()
+        for group in (self.workers.actor, self.workers.ref, self.workers.critic):
+            if group is not None:
+                group.shutdown()
+        self.tracker.finish()

@@ -115,7 +115,7 @@ def _tp2_worker(rank: int, port: int, q) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.unit
+@pytest.mark.integration
 def test_logprobs_entropy_vocab_parallel_tp2_equals_full_vocab():
     """Contract: with the vocabulary split over 2 gloo ranks, values and gradients equal the
     single-rank full-vocabulary result (no rank ever holds the full vocabulary)."""

@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--turns", type=int, default=4, help="tool calls (one per turn) before the final answer")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
 
     from transformers import AutoTokenizer
 

@@ -60,5 +60,8 @@ class Tracking:
         """Flush and close every sink."""
         self._jsonl.close()
         if self.wandb_run is not None:
+            import wandb
+
             self.wandb_run.finish()
             self.wandb_run = None
+            wandb.teardown()  # stop wandb's service process now, not at interpreter exit

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -399,7 +398,8 @@ class MegatronRunner:
                 self.optimizer.zero_grad()
                 records = self._forward_backward(split_micro_batches(mini, self.cfg), on_outputs, forward_only=False)
                 self._check_finite_grads(i)
-                ok, grad_norm, _ = self.optimizer.step()
+                lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
+                _, grad_norm, _ = self.optimizer.step()
                 self.scheduler.step(increment=1)
                 self.step += 1
                 n_steps += 1
@@ -410,7 +410,7 @@ class MegatronRunner:
                 if mpu.is_pipeline_last_stage():  # DP groups are stage-uniform: all or none call
                     mb_sum = self._sum_over_dp(mb_sum)
                 for k, v in {**mb_sum, "grad_norm": float(grad_norm or 0.0),
-                             "lr": self.optimizer.param_groups[0]["lr"]}.items():
+                             "lr": lr}.items():
                     totals[k] = totals.get(k, 0.0) + v
         return {f"{prefix}/{k}": v / n_steps for k, v in totals.items()}
 

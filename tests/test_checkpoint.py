@@ -43,7 +43,7 @@ def test_resume_is_bit_identical_and_layout_checked(ray_cluster, tiny_model_dir,
     group = MegatronWorkerGroup(layout, seed=1)
     try:
         build_actor(group, tiny_model_dir, **_train_cfg())
-        update(group, first, mini_batch_size=4)  # steps 1 and 2
+        warmup_metrics = update(group, first, mini_batch_size=4)  # steps 1 and 2
         group.call_all("save_checkpoint", str(ckpt))
         cont_metrics = update(group, second, mini_batch_size=4)  # steps 3 and 4
         cont = hf_weights(group)
@@ -59,6 +59,9 @@ def test_resume_is_bit_identical_and_layout_checked(ray_cluster, tiny_model_dir,
     finally:
         group.shutdown()
     assert resumed_metrics == cont_metrics
+    # linear warm-up from 0 over 3 steps: steps 1, 2 use 0 and 1/3 of the peak, steps 3, 4 use 2/3 and 1
+    assert warmup_metrics["actor/lr"] == pytest.approx(1e-3 / 6)
+    assert cont_metrics["actor/lr"] == pytest.approx(1e-3 * 5 / 6)
     for k in cont:
         assert torch.equal(resumed[k], cont[k]), f"{k} differs after resume"
 

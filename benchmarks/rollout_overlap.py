@@ -155,7 +155,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--turns", type=int, default=4, help="tool calls (one per turn) before the final answer")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", force=True)
+    handler = logging.StreamHandler()  # this script's progress only; SGLang keeps its own log level
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
     from transformers import AutoTokenizer
 

@@ -113,7 +113,7 @@ def build_workers(cfg: PPOConfig, model_path: str) -> Workers:
     engines = [
         SGLangEngine(model_path, name=f"engine{i}", dtype=r.dtype, tp_size=r.tensor_model_parallel_size,
                      base_gpu_id=i * r.tensor_model_parallel_size, mem_fraction_static=r.gpu_memory_utilization,
-                     max_total_tokens=r.max_total_tokens, random_seed=cfg.trainer.seed + i, log_level="warning")
+                     max_total_tokens=r.max_total_tokens, random_seed=cfg.trainer.seed + i, log_level="error")
         for i in range(r.num_engines)
     ]
     return Workers(actor=actor, ref=ref, critic=critic, engines=engines)
@@ -136,7 +136,11 @@ def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Ite
                         max_prompt_length=cfg.data.max_prompt_length)
     logger.info("data: %d prompts from %s", len(dataset), cfg.data.train_files)
     start_ray(cfg)
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
     workers = build_workers(cfg, path)
+    root.setLevel(level)  # SGLang's Engine re-configures the root logger (basicConfig(force=True)): undo it
+    root.handlers[:] = handlers
     loop = AgentLoop(workers.engines, tokenizer, cfg.actor_rollout_ref.rollout.agent_loop_config(
         cfg.data.max_response_length), tools=tools, interactions=interactions)
     t = cfg.trainer

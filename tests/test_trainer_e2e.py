@@ -1,4 +1,5 @@
-"""End to end: the cpu_tiny preset trains for 2 steps on a tiny GSM8K parquet made here.
+"""End to end: the cpu_tiny preset trains for 2 steps on a tiny GSM8K parquet made here
+(plus unit tests of the trainer's own pieces: weight buckets, reward placement, trainable rows).
 
 Real parts throughout: the tiny Qwen2 checkpoint written by the preset, SGLang's CPU engine,
 Megatron-Core actor + reference on a local Ray cluster, the gsm8k tool and interaction. The
@@ -15,11 +16,13 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import torch
+
+from megatron_workers.weights import bucket_by_bytes
 from recipe.config_schema import PPOConfig
 from recipe.data import gsm8k
-from rollout.trajectory import Trajectory, collate
-
-pytestmark = pytest.mark.e2e
+from recipe.trainer import reward_terms, trainable_rows
+from rollout.trajectory import ToolCallRecord, Trajectory, collate
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "recipe" / "config")
 STEPS = 2
@@ -45,6 +48,45 @@ def actor_log_probs(trainer, prompt_ids: list[int], ids: list[int]) -> list[floa
     keys = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
     out = concat_results(trainer.workers.actor.dispatch("compute_log_prob", {k: batch[k] for k in keys}))
     return out["log_probs"][0].tolist()
+
+
+@pytest.mark.unit
+def test_weight_buckets_keep_order_and_respect_the_byte_budget():
+    """Contract: buckets hold every tensor once, in order, each within the byte budget unless a single
+    tensor is larger than the budget (then it travels alone)."""
+    named = [(f"t{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate([10, 20, 5, 100, 1, 1])]
+    buckets = list(bucket_by_bytes(named, bucket_bytes=30 * 4))
+    assert [n for b in buckets for n, _ in b] == [n for n, _ in named]
+    assert [[n for n, _ in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"]]
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        list(bucket_by_bytes(named, 0))
+
+
+@pytest.mark.unit
+def test_reward_terms_sit_at_the_end_of_the_turn_that_earned_them():
+    """Contract: the outcome is scored on the policy's text; a tool step reward sits on the last token of
+    the calling assistant turn, an interaction score on the last token of the turn it graded."""
+    t = Trajectory(uid="p/0", prompt_uid="p", sample_index=0, prompt_ids=[1, 2], ground_truth="72")
+    t.append_assistant([5, 6, 7], [0.0] * 3, 0)  # turn 0: calls the tool (tokens 0..2)
+    t.append_context([8, 9], "tool")  # tokens 3..4
+    t.append_assistant([10, 11], [0.0] * 2, 0)  # turn 1: answers (tokens 5..6), graded by the interaction
+    t.tool_calls.append(ToolCallRecord(turn=0, name="calc_gsm8k_reward", arguments={}, raw="", step_reward=-0.05))
+    t.interaction_scores.append(1.0)
+    t.messages = [{"role": "assistant", "content": "call"}, {"role": "tool", "content": "#### 72"},
+                  {"role": "assistant", "content": "#### 72"}]
+    terms = reward_terms([t], {"p": "openai/gsm8k"})
+    assert terms.outcome.tolist() == [1.0]
+    assert terms.tool == [[(2, -0.05)]] and terms.interaction == [[(6, 1.0)]]
+
+
+@pytest.mark.unit
+def test_trainable_rows_drop_empty_responses_and_fit_the_split():
+    """Contract: rows without a sampled token are dropped, then the count is cut to a multiple of
+    mini-batches x DP ranks, keeping batch order."""
+    mask = torch.tensor([[1, 0], [0, 0], [1, 1], [0, 1], [1, 0], [0, 0]])
+    assert trainable_rows(mask, 1).tolist() == [0, 2, 3, 4]
+    assert trainable_rows(mask, 3).tolist() == [0, 2, 3]
+    assert trainable_rows(mask, 8).tolist() == []
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +130,7 @@ def run(tmp_path_factory):
     return result
 
 
+@pytest.mark.e2e
 def test_run_finishes_with_metrics_for_every_step(run):
     """Contract: a 2-step run writes one metrics record per step to the jsonl file, with the rollout,
     actor, timing and perf metrics, and sampled on the weights of the previous step's sync."""
@@ -103,6 +146,7 @@ def test_run_finishes_with_metrics_for_every_step(run):
         assert m["rollout/weight_version_min"] == m["step"] - 1
 
 
+@pytest.mark.e2e
 def test_wandb_offline_run_recorded(run):
     """Contract: with trainer.logger=[console,wandb] (WANDB_MODE=offline here) the run's metrics land in wandb's files."""
     runs = list((run["out_dir"] / "wandb").glob("offline-run-*"))
@@ -113,6 +157,7 @@ def test_wandb_offline_run_recorded(run):
         assert data.count(key) >= STEPS, key
 
 
+@pytest.mark.e2e
 def test_engine_weights_equal_actor_after_sync(run):
     """Contract: every step bumps the engine's weight version, and after the last sync the engine computes
     the actor's log-probs (greedy tokens, fp32, within 1e-3) while the policy moved away from the start."""

@@ -151,3 +151,21 @@ def test_missing_data_file_is_named(tmp_path):
     """Contract: a data file that does not exist is refused naming data.train_files."""
     with pytest.raises(ConfigError, match=r"data.train_files=.*nope.parquet.*no such file"):
         build([], str(tmp_path / "nope.parquet"))
+
+
+@pytest.mark.unit
+def test_entry_point_refuses_a_bad_key_before_starting_anything(tmp_path, data_file):
+    """Contract: `python -m recipe.main_ppo` with a misspelled key exits non-zero naming the key, before
+    Ray, Megatron or SGLang start (no output directory is written)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe.main_ppo", "--config-name", "cpu_tiny", f"trainer.default_local_dir={out}",
+         f"data.train_files=[{data_file}]", "+trainer.totl_steps=3"],
+        cwd=Path(CONFIG_DIR).parents[1], capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "unknown config key(s) ['trainer.totl_steps']" in proc.stderr + proc.stdout
+    assert not (out / "metrics.jsonl").exists() and not (out / "tiny_model").exists()

@@ -75,17 +75,6 @@ def torch_stepper(model_dir: Path, batch: dict[str, torch.Tensor]):
     return step
 
 
-def _make_actor(model_dir: str, cfg):
-    # Until megatron_workers.cpu_compat redirects megatron.core.optimizer's CUDA buffers (asked
-    # of its owner), the rank applies the same redirect the tests use.
-    from tests.test_actor import optimizer_cpu_shim
-
-    from megatron_workers.actor import MegatronActor
-
-    optimizer_cpu_shim()
-    return MegatronActor(model_dir, cfg)
-
-
 def timed_alternating(steps: dict[str, object], repeats: int) -> dict[str, float]:
     """Median seconds per step of each closure; one warm-up each, then the closures take turns,
     so background load on a shared machine hits both sides alike."""
@@ -103,7 +92,7 @@ def timed_alternating(steps: dict[str, object], repeats: int) -> dict[str, float
 def run(model_dir: Path, batch: dict[str, torch.Tensor], repeats: int, threads: int) -> dict[str, float]:
     import ray
 
-    from megatron_workers.actor import ActorConfig, OptimConfig
+    from megatron_workers.actor import ActorConfig, MegatronActor, OptimConfig
     from megatron_workers.worker_group import MegatronWorkerGroup, ParallelLayout
 
     B = batch["input_ids"].shape[0]
@@ -112,7 +101,7 @@ def run(model_dir: Path, batch: dict[str, torch.Tensor], repeats: int, threads: 
     try:
         group = MegatronWorkerGroup(ParallelLayout(), num_cpus_per_rank=1, env_vars={"OMP_NUM_THREADS": str(threads)})
         try:
-            group.build(functools.partial(_make_actor, str(model_dir), cfg))
+            group.build(functools.partial(MegatronActor, str(model_dir), cfg))
             return timed_alternating(
                 {"megatron": lambda: group.dispatch("update_sft", batch), "torch": torch_stepper(model_dir, batch)},
                 repeats,

@@ -11,9 +11,13 @@ running on a CPU. Measured against megatron-core 0.16.1 and torch 2.14.1 (a CUDA
   returns the tensor as it is (on a machine without a GPU it could only have raised).
 - `torch.cuda.synchronize()` guards batched P2P ops in the pipeline schedule; on CPU there is
   nothing to wait for, so it becomes a no-op.
-- The pipeline schedules allocate their token counters with `device="cuda"`; they are created
-  on the CPU instead (only inside `megatron.core.pipeline_parallel.schedules`, through a view of
-  `torch` whose `zeros/ones/empty/tensor/full` map a CUDA device to the CPU).
+- The pipeline schedules (token counters), the optimizer (`FP32Optimizer._scale`, overflow
+  buffers), the grad-norm code in `clip_grads` and `megatron.core.utils` allocate tensors with
+  `device="cuda"`; they are created on the CPU instead, only inside those modules, through a view
+  of `torch` whose `zeros/ones/empty/full/tensor/arange` map a CUDA device to the CPU.
+- `clip_grad_by_total_norm_fp32` asserts `torch.cuda.FloatTensor` grads; the optimizer gets a
+  version with the same math (scale every grad by max_norm / (total_norm + 1e-6) when below 1)
+  that accepts CPU grads.
 
 The import stand-ins (`flash_mla` raising ImportError instead of OSError, `sgl_kernel`) are put
 on the import path by `cpu_standins.activate()`, called when this module is imported, i.e. before
@@ -37,6 +41,13 @@ logger = logging.getLogger(__name__)
 
 _MARK = "_polyturn_cpu_compat"
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
+# Modules that create tensors with device="cuda" on the CPU-reachable path (megatron-core 0.16.1).
+_CUDA_FACTORY_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.utils",
+)
 
 
 def _cpu_device(*_args: Any, **_kwargs: Any) -> torch.device:
@@ -62,6 +73,17 @@ def _on_cpu(factory: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
         return factory(*args, **kwargs)
 
     return wrapper
+
+
+def _clip_grad_by_total_norm_fp32(parameters: Any, max_norm: float, total_norm: float,
+                                  use_decoupled_grad: bool = False) -> None:
+    """Megatron's clip by total norm (same coefficient), without its CUDA-only assertion and kernel."""
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+    grads = [getattr(p, attr).detach() for p in params if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coeff)
 
 
 def _torch_view_on_cpu() -> types.ModuleType:
@@ -91,9 +113,14 @@ def apply_cpu_compat() -> bool:
     torch.cuda.synchronize = _noop  # type: ignore[assignment]
     torch.Tensor.cuda = _tensor_stays  # type: ignore[method-assign]
 
-    from megatron.core.pipeline_parallel import schedules
+    import importlib
 
-    if not getattr(schedules.torch, _MARK, False):
-        schedules.torch = _torch_view_on_cpu()
+    for name in _CUDA_FACTORY_MODULES:
+        module = importlib.import_module(name)
+        if not getattr(module.torch, _MARK, False):
+            module.torch = _torch_view_on_cpu()
+    from megatron.core.optimizer import optimizer
+
+    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     logger.info("megatron-core adapted to CPU + gloo (no GPU present)")
     return True

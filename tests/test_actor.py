@@ -226,38 +226,6 @@ def groups(ray_cluster):
         g.shutdown()
 
 
-def optimizer_cpu_shim() -> None:
-    """TEMPORARY, asked of cpu_compat's owner: megatron.core.optimizer creates a few tensors with
-    device='cuda' (FP32Optimizer._scale, clip_grads' and megatron.core.utils' norm buffers), and
-    clip_grad_by_total_norm_fp32 asserts CUDA grads. cpu_compat redirects devices only in the
-    pipeline schedules so far; this applies the same redirect to the optimizer modules and a
-    CPU-tolerant clip (same math) inside each rank. Remove once `cpu_compat.apply_cpu_compat` covers them."""
-    from megatron_workers import cpu_compat
-
-    if cpu_compat.apply_cpu_compat():
-        from megatron.core import utils
-        from megatron.core.optimizer import clip_grads, optimizer
-
-        for module in (optimizer, clip_grads, utils):
-            if not getattr(module.torch, cpu_compat._MARK, False):
-                module.torch = cpu_compat._torch_view_on_cpu()
-
-        def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
-            # Megatron's version asserts param.grad.type() == 'torch.cuda.FloatTensor'.
-            attr = "decoupled_grad" if use_decoupled_grad else "grad"
-            grads = [getattr(p, attr) for p in parameters if getattr(p, attr, None) is not None]
-            coeff = max_norm / (total_norm + 1.0e-6)
-            if coeff < 1.0 and grads:
-                torch._foreach_mul_(grads, coeff)
-
-        optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
-
-
-def make_role(cls, model_dir: str, cfg):
-    optimizer_cpu_shim()
-    return cls(model_dir, cfg)
-
-
 def build_actor(group, model_dir: Path, role_cls=None, **cfg_kwargs) -> None:
     """(Re)build a MegatronActor (or `role_cls`) from `model_dir` on every rank of `group`."""
     import functools
@@ -266,7 +234,7 @@ def build_actor(group, model_dir: Path, role_cls=None, **cfg_kwargs) -> None:
 
     optim = cfg_kwargs.pop("optim", OptimConfig(lr=1e-3, adam_eps=1e-4, clip_grad=1.0))
     cfg = ActorConfig(optim=optim, **cfg_kwargs)
-    group.build(functools.partial(make_role, role_cls or MegatronActor, str(model_dir), cfg))
+    group.build(functools.partial(role_cls or MegatronActor, str(model_dir), cfg))
 
 
 def update(group, batch: dict, mini_batch_size: int, loss_fn=masked_pg_loss) -> dict:

@@ -367,6 +367,7 @@ class AgentLoop:
                     iid = await stack.enter_async_context(runner_i.session(None, **traj.interaction_kwargs))
                     interaction = (runner_i, iid)
                 await self._turns(traj, instances, interaction)
+                await self._final_tool_rewards(traj, instances)
         except asyncio.CancelledError:
             traj.finish(FinishReason.ABORTED)
         except Exception as exc:  # noqa: BLE001 - one broken trajectory must not end the run
@@ -379,6 +380,12 @@ class AgentLoop:
         schemas = self.tools.schemas(traj.tool_names) if traj.tool_names else None
         traj.drift_index = self.codec.drift_index(traj, schemas)
         return traj
+
+    async def _final_tool_rewards(self, traj: Trajectory, instances: dict[str, str]) -> None:
+        """Ask every tool instance for its `calc_reward` (verl's per-instance reward) before it is released."""
+        for name, iid in instances.items():
+            kw = (traj.tools_kwargs.get(name) or {}).get("calc_reward_kwargs") or {}
+            traj.tool_rewards[name] = await self.tools.runner(name).calc_reward(iid, **kw)
 
     def _budget(self, traj: Trajectory) -> int:
         left = self.config.response_length - len(traj.response_ids)

@@ -94,6 +94,7 @@ class Trajectory:
     turns: list[TurnSpan] = field(default_factory=list)  # segments of the response in order, covering it exactly
     tool_calls: list[ToolCallRecord] = field(default_factory=list)  # every call attempt, malformed ones included
     interaction_scores: list[float] = field(default_factory=list)  # score of each interaction (user) turn
+    tool_rewards: dict[str, float] = field(default_factory=dict)  # each tool's final `calc_reward`, before release
     status: TrajectoryStatus = TrajectoryStatus.PENDING  # state machine, see `TrajectoryStatus`
     finish_reason: FinishReason | None = None  # set once, when the trajectory ends
     error: str | None = None  # message of the error that ended it (finish_reason ERROR), else None
@@ -219,6 +220,7 @@ class Trajectory:
                 {"turn": c.turn, "name": c.name, "error": c.error, "step_reward": c.step_reward} for c in self.tool_calls
             ],
             "tool_reward": self.tool_reward,
+            "tool_rewards": dict(self.tool_rewards),
             "interaction_scores": list(self.interaction_scores),
             "ground_truth": self.ground_truth,
             "extra_info": self.extra_info,

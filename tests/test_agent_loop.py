@@ -138,6 +138,9 @@ class AddTool(BaseTool):
         finally:
             self.active -= 1
 
+    async def calc_reward(self, instance_id, **kwargs):
+        return 0.5 + float(kwargs.get("bonus", 0.0)) if instance_id in self.created else -1.0
+
     async def release(self, instance_id, **kwargs):
         self.released.append(instance_id)
 
@@ -562,3 +565,16 @@ def test_prompt_from_verl_row():
     assert p.interaction_kwargs["name"] == "gsm8k" and p.extra_info["index"] == 3
     with pytest.raises(ValueError, match="list of chat messages"):
         RolloutPrompt.from_row({"prompt": "q"}, uid="bad")
+
+
+def test_tool_calc_reward_is_kept_for_training(tokenizer):
+    """Contract: each tool instance's final `calc_reward` (with the sample's calc_reward_kwargs) is recorded before
+    release, so tool rewards reach the trainer instead of being thrown away."""
+    policy = lambda uid, turn: [_call("add", a=1, b=1), "2"][turn]
+    tool = AddTool()
+    prompt = _prompt("q0", tools_kwargs={"add": {"calc_reward_kwargs": {"bonus": 0.25}}})
+    out = asyncio.run(_loop(tokenizer, ScriptedEngine(tokenizer, policy), [tool]).generate([prompt]))
+    (traj,) = out.trajectories
+    assert traj.tool_rewards == {"add": 0.75}
+    assert out.metadata[0]["tool_rewards"] == {"add": 0.75}
+    assert tool.created == tool.released

@@ -13,7 +13,7 @@ estimators an `AlgorithmConfig`; nothing below the entry point reads `config.a.b
 Where it departs from verl's config: there is one micro-batch size per role (Megatron's
 `ppo_micro_batch_size_per_gpu` also sizes the log-prob passes), the data-parallel size is
 derived (`trainer.n_gpus_per_node * trainer.nnodes / (tp * pp)`), and `reward.*` weights the
-three reward kinds (outcome, tool step rewards, interaction scores).
+reward kinds (outcome, tool step rewards, tools' final calc_reward, interaction scores).
 """
 from __future__ import annotations
 
@@ -224,10 +224,11 @@ class CriticConfig:
 
 @dataclass
 class RewardConfig:
-    """`reward.*`: weights of the three rewards a trajectory earns (see recipe.algos.place_token_rewards)."""
+    """`reward.*`: weights of the rewards a trajectory earns (see recipe.trainer and recipe.algos.place_token_rewards)."""
 
     outcome_weight: float = 1.0  # the data source's scorer on the final answer
     tool_weight: float = 1.0  # each tool call's step reward, at the end of the calling turn
+    tool_final_weight: float = 0.0  # each tool's final calc_reward (e.g. best gsm8k score), on the last sampled token
     interaction_weight: float = 0.0  # each interaction turn's score, at the end of the graded turn
 
 

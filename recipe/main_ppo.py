@@ -51,41 +51,6 @@ def start_ray(cfg: PPOConfig) -> None:
                  log_to_driver=True)
 
 
-def _megatron_optimizer_on_cpu() -> None:
-    """TEMPORARY (asked of cpu_compat's owner; remove once `apply_cpu_compat` covers the optimizer):
-    megatron.core.optimizer makes a few tensors with device="cuda" and its grad clipping asserts CUDA
-    grads. Sends those factories to the CPU (cpu_compat's own view of torch) and clips with the same
-    math. A no-op with a GPU or when cpu_compat already adapted the optimizer modules."""
-    import torch
-
-    from megatron_workers import cpu_compat
-
-    if not cpu_compat.apply_cpu_compat():
-        return
-    from megatron.core import utils
-    from megatron.core.optimizer import clip_grads, optimizer
-
-    if getattr(optimizer.torch, cpu_compat._MARK, False):
-        return
-    for module in (optimizer, clip_grads, utils):
-        module.torch = cpu_compat._torch_view_on_cpu()
-
-    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
-        attr = "decoupled_grad" if use_decoupled_grad else "grad"
-        grads = [getattr(p, attr) for p in parameters if getattr(p, attr, None) is not None]
-        coeff = max_norm / (total_norm + 1.0e-6)
-        if coeff < 1.0 and grads:
-            torch._foreach_mul_(grads, coeff)
-
-    optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
-
-
-def _make_role(role: type, model_path: str, role_cfg):
-    """Build a Megatron role object inside its Ray actor."""
-    _megatron_optimizer_on_cpu()
-    return role(model_path, role_cfg)
-
-
 def build_workers(cfg: PPOConfig, model_path: str) -> Workers:
     """Megatron groups (actor, reference if a KL term is used, critic for GAE) and the SGLang engines."""
     from transformers import AutoConfig
@@ -102,7 +67,7 @@ def build_workers(cfg: PPOConfig, model_path: str) -> Workers:
 
     def group(role: type, role_cfg) -> MegatronWorkerGroup:
         g = MegatronWorkerGroup(layout, hf_config=hf_config, seed=cfg.trainer.seed)
-        g.build(functools.partial(_make_role, role, model_path, role_cfg))
+        g.build(functools.partial(role, model_path, role_cfg))
         return g
 
     actor = group(MegatronActor, ar.actor.worker_config(ar.rollout.temperature))

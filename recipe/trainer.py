@@ -8,9 +8,10 @@ byte-size buckets (`megatron_workers.weights`), each engine's weight version is 
 prefix cache flushed, so step k's rollout samples with the weights of step k-1's update.
 
 Where it departs from verl's `RayPPOTrainer.fit`:
-- Rewards are three kinds on the token axis (`recipe.algos.place_token_rewards`): the outcome
-  score on the last sampled token, each tool call's step reward at the end of the assistant
-  turn that made the call, each interaction score at the end of the assistant turn it graded.
+- Rewards are several kinds on the token axis (`recipe.algos.place_token_rewards`), each with a
+  weight (`reward.*`): the outcome score and the tools' final `calc_reward` on the last sampled
+  token, each tool call's step reward at the end of the assistant turn that made the call, each
+  interaction score at the end of the assistant turn it graded.
 - A trajectory with no sampled token (aborted or failed before its first token) cannot carry a
   reward or a loss: it is dropped, and so are a few more samples when needed for the batch to
   split evenly into mini-batches x DP ranks (`rollout/dropped_samples` counts both).
@@ -68,21 +69,24 @@ class RewardTerms:
     """Per-sample rewards of a batch, before they are placed on the token axis."""
 
     outcome: torch.Tensor  # (B,) the data source's score of the final answer
+    tool_final: torch.Tensor  # (B,) sum over the sample's tools of their final calc_reward
     tool: list[list[tuple[int, float]]]  # per sample: (response index of the calling turn's end, step reward)
     interaction: list[list[tuple[int, float]]]  # per sample: (response index of the graded turn's end, score)
 
 
 def reward_terms(trajs: list[Trajectory], data_sources: dict[str, str]) -> RewardTerms:
     """Score each trajectory and locate its tool and interaction rewards on the response axis."""
-    outcome, tool, interaction = [], [], []
+    outcome, tool_final, tool, interaction = [], [], [], []
     for t in trajs:
         outcome.append(score_trajectory(data_sources[t.prompt_uid], t.messages, t.ground_truth))
+        tool_final.append(sum(t.tool_rewards.values()))
         ends = [max(s.end - 1, 0) for s in t.turns if s.role == "assistant"]  # last token of each assistant turn
         tool.append([(ends[c.turn], c.step_reward) for c in t.tool_calls if c.step_reward])
         calling = {c.turn for c in t.tool_calls}
         graded = [ends[k] for k in range(len(ends)) if k not in calling]  # the interaction answers non-calling turns
         interaction.append(list(zip(graded, t.interaction_scores)))
-    return RewardTerms(torch.tensor(outcome, dtype=torch.float32), tool, interaction)
+    return RewardTerms(torch.tensor(outcome, dtype=torch.float32), torch.tensor(tool_final, dtype=torch.float32),
+                       tool, interaction)
 
 
 def trainable_rows(response_mask: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -150,8 +154,9 @@ class Trainer:
             with timer("reward"):
                 terms = reward_terms(trajs, prompts.data_sources)
                 rw = self.cfg.reward
+                final = rw.outcome_weight * terms.outcome + rw.tool_final_weight * terms.tool_final  # (B,)
                 token_rewards = place_token_rewards(  # (B, T)
-                    batch["response_mask"], terms.outcome, terms.tool, terms.interaction, outcome_weight=rw.outcome_weight,
+                    batch["response_mask"], final, terms.tool, terms.interaction,
                     tool_weight=rw.tool_weight, interaction_weight=rw.interaction_weight)
             with timer("old_log_prob"):
                 batch["old_log_probs"] = self._infer(self.workers.actor, "compute_log_prob", batch)["log_probs"]
@@ -221,6 +226,7 @@ class Trainer:
              "rollout/weight_version_min": float(min(
                  (min(t.weight_versions) for t in trajs if t.weight_versions), default=-1))}
         m.update(_stats("critic/score", terms.outcome))
+        m.update(_stats("reward/tool_final", terms.tool_final))
         m.update(_stats("critic/rewards", token_rewards.sum(dim=1)))
         m.update(_stats("critic/advantages", batch["advantages"], mask))
         m.update(_stats("critic/returns", batch["returns"], mask))

@@ -44,7 +44,7 @@ critic.optim.lr_warmup_init critic.optim.lr_warmup_steps critic.optim.min_lr cri
 critic.ppo_micro_batch_size_per_gpu critic.ppo_mini_batch_size
 data.max_prompt_length data.max_response_length data.shuffle data.train_batch_size data.train_files
 ray_init.num_cpus ray_init.temp_dir
-reward.interaction_weight reward.outcome_weight reward.tool_weight
+reward.interaction_weight reward.outcome_weight reward.tool_final_weight reward.tool_weight
 trainer.default_local_dir trainer.experiment_name trainer.logger trainer.n_gpus_per_node trainer.nnodes
 trainer.project_name trainer.seed trainer.total_training_steps
 """.split()

@@ -72,10 +72,11 @@ def test_reward_terms_sit_at_the_end_of_the_turn_that_earned_them():
     t.append_assistant([10, 11], [0.0] * 2, 0)  # turn 1: answers (tokens 5..6), graded by the interaction
     t.tool_calls.append(ToolCallRecord(turn=0, name="calc_gsm8k_reward", arguments={}, raw="", step_reward=-0.05))
     t.interaction_scores.append(1.0)
+    t.tool_rewards = {"calc_gsm8k_reward": 1.0}
     t.messages = [{"role": "assistant", "content": "call"}, {"role": "tool", "content": "#### 72"},
                   {"role": "assistant", "content": "#### 72"}]
     terms = reward_terms([t], {"p": "openai/gsm8k"})
-    assert terms.outcome.tolist() == [1.0]
+    assert terms.outcome.tolist() == [1.0] and terms.tool_final.tolist() == [1.0]
     assert terms.tool == [[(2, -0.05)]] and terms.interaction == [[(6, 1.0)]]
 
 

@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     model_dir = str(write_tiny_checkpoint(tempfile.mkdtemp(prefix="rollout-overlap-"), seed=0))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = SGLangEngine(model_dir, name="bench", dtype="float32", random_seed=args.seed,
-                          max_total_tokens=65536, log_level="error")
+                          max_total_tokens=262144, log_level="error")  # KV room for every request's max_new_tokens: admission never serializes trajectories
     try:
         work = Workload(args.trajectories, args.turns, args.seed)
         loop = _agent_loop(SteeredEngine(engine, work), tokenizer, work)

@@ -123,10 +123,9 @@ def run(cfg: PPOConfig, config_dict: dict | None = None) -> None:
         trainer.fit(batches)
     finally:
         trainer.close()
-        ray.shutdown()
-        # Last: SGLang's shutdown kills every child process of this one, Ray's own included.
         for engine in trainer.workers.engines:
             engine.shutdown()
+        ray.shutdown()
 
 
 @hydra.main(config_path="config", config_name="ppo_trainer", version_base="1.3")

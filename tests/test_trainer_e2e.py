@@ -124,10 +124,12 @@ def run(tmp_path_factory):
             "actor_on_after": actor_log_probs(trainer, prompt_ids, after[0]),
             "actor_on_before": actor_log_probs(trainer, prompt_ids, before[0]),
         }
+        engine.shutdown()  # stops only the engine's own processes ...
+        result["ray_after_engine_shutdown"] = ray.get(ray.remote(lambda: "alive").remote(), timeout=120)
     finally:
         trainer.close()
         ray.shutdown()
-        engine.shutdown()  # last: it kills this process's children, Ray's included
+        engine.shutdown()  # idempotent
     return result
 
 
@@ -168,3 +170,10 @@ def test_engine_weights_equal_actor_after_sync(run):
     assert max(abs(a - b) for a, b in zip(engine_lp, run["actor_on_after"])) < 1e-3
     # The trained actor no longer gives the initial engine's log-probs: the check above is not vacuous.
     assert max(abs(a - b) for a, b in zip(run["before"][1], run["actor_on_before"])) > 1e-2
+
+
+@pytest.mark.e2e
+def test_engine_shutdown_leaves_other_processes_alone(run):
+    """Contract: shutting an SGLang engine down stops its own processes only; Ray (a sibling child of the
+    driver) keeps serving."""
+    assert run["ray_after_engine_shutdown"] == "alive"

@@ -13,12 +13,14 @@ bumps `weight_version`, which each generated turn reports.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import Coroutine, Iterable
 from concurrent.futures import Future
 from typing import Any
 
+import psutil
 import torch
 
 from rollout import sglang_cpu
@@ -39,7 +41,10 @@ class SGLangEngine:
         import sglang  # after the CPU adapter: the stand-ins must be on the path first
 
         self.name = name
+        before = {p.pid for p in psutil.Process().children()}
         self._engine = sglang.Engine(model_path=model_path, weight_version=str(weight_version), **kwargs)
+        # The engine's own subprocesses (scheduler, detokenizer): the only processes `shutdown` stops.
+        self._procs = [p for p in psutil.Process().children() if p.pid not in before]
         self._tm = self._engine.tokenizer_manager
         self._weight_version = weight_version
         self._inflight: set[str] = set()
@@ -135,10 +140,21 @@ class SGLangEngine:
         self._call(self._tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(), None))
 
     def shutdown(self) -> None:
-        """Stop the engine's subprocesses and this client's loop thread."""
+        """Stop this engine's subprocesses and this client's loop thread.
+
+        `sglang.Engine.shutdown` kills every child of the calling process (Ray's, wandb's, other
+        engines'), so only the processes this engine started are stopped here.
+        """
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
-        self._engine.shutdown()
+        procs: list[psutil.Process] = []
+        for proc in self._procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                procs += [*proc.children(recursive=True), proc]
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        psutil.wait_procs(procs, timeout=30)
 
     # -- plumbing -----------------------------------------------------------------------------
 

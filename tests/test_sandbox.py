@@ -33,6 +33,20 @@ MODES = [
 ]
 
 
+@pytest.fixture(autouse=True, params=["asyncio", "uvloop"])
+def event_loop_policy(request):
+    """Every sandbox test runs on both loops: SGLang installs uvloop as the asyncio policy when imported,
+    so in a training run the tools execute on uvloop (whose subprocess API differs from asyncio's)."""
+    previous = asyncio.get_event_loop_policy()
+    if request.param == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    else:
+        asyncio.set_event_loop_policy(asyncio.DefaultEventLoopPolicy())
+    yield request.param
+    asyncio.set_event_loop_policy(previous)
+
+
 def python_runner(isolation: str, **overrides):
     """The `python` tool behind its runner; each runner draws sandbox uids from its own range."""
     low = random.randrange(10_000_000, 900_000_000)

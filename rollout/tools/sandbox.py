@@ -211,8 +211,11 @@ class Sandbox:
         self._uids_in_use.add(uid)
         return uid
 
-    def _preexec(self) -> None:
-        """Runs in the child before exec: resource limits (inherited by everything it starts)."""
+    def _preexec(self, uid: int | None = None) -> None:
+        """Runs in the child before exec: resource limits (inherited by everything it starts), then,
+        given `uid`, the switch to that unprivileged uid/gid with no supplementary groups. Done here
+        rather than with Popen's user/group arguments, which uvloop (installed as the asyncio loop by
+        SGLang) does not accept."""
         lim = self.limits
         mb = 1024 * 1024
         resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_time_s, lim.cpu_time_s + 1))
@@ -221,6 +224,10 @@ class Sandbox:
         resource.setrlimit(resource.RLIMIT_NPROC, (lim.max_processes, lim.max_processes))
         resource.setrlimit(resource.RLIMIT_NOFILE, (lim.max_open_files, lim.max_open_files))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
 
     def _namespace_argv(self, uid: int | None) -> list[str]:
         # Runs as (namespace) root first to set up mounts, then starts python as a child of the
@@ -252,14 +259,14 @@ class Sandbox:
 
     async def _run(self, code: str, uid: int | None, workdir: str | None) -> SandboxResult:
         start = time.monotonic()
-        kwargs: dict = {}
+        preexec = self._preexec
         if workdir is None:
             argv, cwd = self._namespace_argv(uid), "/"
         else:
             argv, cwd = [self.python, "-I", "-u", "-c", _AUDIT_PRELUDE], workdir
             if uid is not None:
                 os.chown(workdir, uid, uid)
-                kwargs = {"user": uid, "group": uid, "extra_groups": []}
+                preexec = functools.partial(self._preexec, uid)
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir or "/tmp"}
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -270,8 +277,7 @@ class Sandbox:
                 cwd=cwd,
                 env=env,
                 start_new_session=True,
-                preexec_fn=self._preexec,
-                **kwargs,
+                preexec_fn=preexec,
             )
         except OSError as exc:
             return SandboxResult(

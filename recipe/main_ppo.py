@@ -101,11 +101,7 @@ def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Ite
                         max_prompt_length=cfg.data.max_prompt_length)
     logger.info("data: %d prompts from %s", len(dataset), cfg.data.train_files)
     start_ray(cfg)
-    root = logging.getLogger()
-    level, handlers = root.level, list(root.handlers)
     workers = build_workers(cfg, path)
-    root.setLevel(level)  # SGLang's Engine re-configures the root logger (basicConfig(force=True)): undo it
-    root.handlers[:] = handlers
     loop = AgentLoop(workers.engines, tokenizer, cfg.actor_rollout_ref.rollout.agent_loop_config(
         cfg.data.max_response_length), tools=tools, interactions=interactions)
     t = cfg.trainer

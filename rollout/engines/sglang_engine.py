@@ -42,7 +42,11 @@ class SGLangEngine:
 
         self.name = name
         before = {p.pid for p in psutil.Process().children()}
+        root = logging.getLogger()
+        level, handlers = root.level, list(root.handlers)
         self._engine = sglang.Engine(model_path=model_path, weight_version=str(weight_version), **kwargs)
+        root.setLevel(level)  # the Engine re-configures the root logger (basicConfig(force=True)): undo it
+        root.handlers[:] = handlers
         # The engine's own subprocesses (scheduler, detokenizer): the only processes `shutdown` stops.
         self._procs = [p for p in psutil.Process().children() if p.pid not in before]
         self._tm = self._engine.tokenizer_manager

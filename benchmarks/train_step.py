@@ -99,7 +99,9 @@ def run(model_dir: Path, batch: dict[str, torch.Tensor], repeats: int, threads: 
     cfg = ActorConfig(micro_batch_size=B, optim=OptimConfig(lr=1e-5, clip_grad=1.0))
     ray.init(num_cpus=max(threads, 1), include_dashboard=False, log_to_driver=False)
     try:
-        group = MegatronWorkerGroup(ParallelLayout(), num_cpus_per_rank=1, env_vars={"OMP_NUM_THREADS": str(threads)})
+        # Both thread pools: the group's CPU default (1) for MKL would leave its matmuls single-threaded.
+        threads_env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        group = MegatronWorkerGroup(ParallelLayout(), num_cpus_per_rank=1, env_vars=threads_env)
         try:
             group.build(functools.partial(MegatronActor, str(model_dir), cfg))
             return timed_alternating(

@@ -5,10 +5,10 @@ The engine's tokenizer manager binds to the first asyncio loop that talks to it,
 updates) is submitted to that loop. Callers may therefore use the engine from any loop or thread:
 `asyncio.run` in a test, a Ray actor, or the trainer's synchronous step between rollouts.
 
-This is also the weight-sync receive side: tensors handed over in process
-(`update_weights_from_tensor`), a checkpoint directory (`update_weights_from_disk`), or a broadcast
-over a process group (`init_weights_update_group` + `update_weights_from_distributed`). Every update
-bumps `weight_version`, which each generated turn reports.
+This is also the weight-sync receive side: HF-named tensors handed over in process
+(`update_weights_from_tensor`) or a checkpoint directory (`update_weights_from_disk`). Every update
+bumps `weight_version`, which each generated turn reports. (SGLang's broadcast path,
+`update_weights_from_distributed`, and memory release for colocated GPUs are not wired yet.)
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ class SGLangEngine:
     async def abort(self, request_id: str) -> None:
         await asyncio.wrap_future(self._submit(self._abort(request_id)))
 
-    # -- control: weight sync, cache, memory --------------------------------------------------
+    # -- control: weight sync ----------------------------------------------------------------
 
     def update_weights_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                                    weight_version: int, flush_cache: bool = True) -> None:
@@ -102,46 +102,6 @@ class SGLangEngine:
         req = UpdateWeightFromDiskReqInput(model_path=model_path, weight_version=str(weight_version))
         _check(self._call(self._tm.update_weights_from_disk(req, None)), "update_weights_from_disk")
         self._weight_version = weight_version
-
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                                  group_name: str, backend: str) -> None:
-        """Join a process group through which a trainer rank broadcasts weights (separate placement)."""
-        from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
-
-        req = InitWeightsUpdateGroupReqInput(master_address=master_address, master_port=master_port,
-                                             rank_offset=rank_offset, world_size=world_size,
-                                             group_name=group_name, backend=backend)
-        _check(self._call(self._tm.init_weights_update_group(req, None)), "init_weights_update_group")
-
-    def submit_update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
-                                               group_name: str, weight_version: int, flush_cache: bool = True) -> Future:
-        """Start receiving one bucket by broadcast; the sender broadcasts while this future is pending."""
-        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
-
-        req = UpdateWeightsFromDistributedReqInput(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
-                                                   flush_cache=flush_cache, weight_version=str(weight_version))
-        self._pending_version = weight_version
-        return self._submit(self._session(self._tm.update_weights_from_distributed(req, None),
-                                          "update_weights_from_distributed"))
-
-    def finish_update_weights_from_distributed(self, future: Future) -> None:
-        """Wait for a bucket started by `submit_update_weights_from_distributed`."""
-        future.result()
-        self._weight_version = self._pending_version
-
-    def flush_cache(self) -> None:
-        self._call(self._tm.flush_cache())
-
-    def release_memory(self) -> None:
-        """Free KV cache and weights while the trainer runs (colocated GPUs; a no-op on CPU)."""
-        from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
-
-        self._call(self._tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(), None))
-
-    def resume_memory(self) -> None:
-        from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
-
-        self._call(self._tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(), None))
 
     def shutdown(self) -> None:
         """Stop this engine's subprocesses and this client's loop thread.

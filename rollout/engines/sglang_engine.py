@@ -44,6 +44,8 @@ class SGLangEngine:
         before = {p.pid for p in psutil.Process().children()}
         root = logging.getLogger()
         level, handlers = root.level, list(root.handlers)
+        # In this process too, SGLang logs at the engine's own `log_level` (its subprocesses already do).
+        logging.getLogger("sglang").setLevel(str(kwargs.get("log_level", "info")).upper())
         self._engine = sglang.Engine(model_path=model_path, weight_version=str(weight_version), **kwargs)
         root.setLevel(level)  # the Engine re-configures the root logger (basicConfig(force=True)): undo it
         root.handlers[:] = handlers

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import socket
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -34,6 +33,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from megatron_workers import model as conversion  # noqa: E402
 from megatron_workers import parallel  # noqa: E402
+from megatron_workers.ports import free_port  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -179,12 +179,6 @@ def _worker(
         parallel.destroy()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _compare(name: str, ref: torch.Tensor, got: torch.Tensor, valid: torch.Tensor, problems: list[str]) -> float:
     """Max abs diff of `got` vs `ref` where `valid` (B, T) is set; appends a message above TOLERANCE."""
     diff = (ref - got).abs()
@@ -209,7 +203,7 @@ def run_parity(hf_dir: str | Path, tp: int, pp: int, seed: int = 0) -> ParityRep
     with tempfile.TemporaryDirectory(prefix="polyturn-parity-") as out_dir:
         mp.spawn(
             _worker,
-            args=(world_size, _free_port(), str(hf_dir), hf_config.to_dict(), tp, pp, batch, out_dir),
+            args=(world_size, free_port(), str(hf_dir), hf_config.to_dict(), tp, pp, batch, out_dir),
             nprocs=world_size,
             join=True,
         )

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -36,6 +35,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import cpu_standins
+from megatron_workers.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +73,6 @@ class RankInfo:
     is_collector: bool  # last pipeline stage and TP rank 0: its outputs are the group's outputs
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
 class RankWorker:
     """Body of one Ray actor: one Megatron rank, hosting one role object."""
 
@@ -89,7 +83,7 @@ class RankWorker:
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the rendezvous."""
-        return ray.util.get_node_ip_address(), _free_port()
+        return ray.util.get_node_ip_address(), free_port("")
 
     def init_distributed(self, master_addr: str, master_port: int, tp: int, pp: int, seed: int) -> RankInfo:
         """Initialise torch.distributed and Megatron's parallel state; report coordinates."""

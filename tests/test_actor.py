@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatron_workers.logprobs import vocab_parallel_logprobs_entropy
+from megatron_workers.ports import free_port
 
 # ---------------------------------------------------------------------------------------------
 # Helpers shared with test_checkpoint.py / test_worker_group.py (imported from here)
@@ -119,13 +120,9 @@ def _tp2_worker(rank: int, port: int, q) -> None:
 def test_logprobs_entropy_vocab_parallel_tp2_equals_full_vocab():
     """Contract: with the vocabulary split over 2 gloo ranks, values and gradients equal the
     single-rank full-vocabulary result (no rank ever holds the full vocabulary)."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_tp2_worker, args=(r, port, q)) for r in range(2)]

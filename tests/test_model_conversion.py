@@ -2,13 +2,13 @@
 bad-checkpoint errors, and exact round trips for Qwen2 (tied and untied, QKV bias) and Llama."""
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_workers import check_parity, parallel
+from megatron_workers.ports import free_port
 from megatron_workers import model as conversion
 
 pytestmark = pytest.mark.unit
@@ -41,10 +41,7 @@ def write_hf_checkpoint(out_dir: Path, *, tied: bool, family: str = "qwen2", see
 @pytest.fixture(scope="module")
 def world_of_one():
     """torch.distributed + Megatron groups for a single gloo rank, torn down after the module."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    parallel.init_distributed(0, 1, "127.0.0.1", port, tp=1, pp=1, seed=0)
+    parallel.init_distributed(0, 1, "127.0.0.1", free_port(), tp=1, pp=1, seed=0)
     yield
     parallel.destroy()
 

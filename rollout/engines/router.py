@@ -63,12 +63,6 @@ class EngineRouter:
             self._inflight[idx] -= 1
             self._requests.pop(request_id, None)
 
-    async def abort(self, request_id: str) -> None:
-        """Abort one request if it is still in flight."""
-        idx = self._requests.get(request_id)
-        if idx is not None:
-            await self.engines[idx].abort(request_id)
-
     async def abort_all(self) -> None:
         """Abort every request in flight on every engine."""
         pending = list(self._requests.items())
@@ -79,7 +73,3 @@ class EngineRouter:
     def release(self, trajectory_uid: str) -> None:
         """Forget a finished trajectory's engine (its next use is routed afresh)."""
         self._sticky.pop(trajectory_uid, None)
-
-    def inflight(self) -> list[int]:
-        """Requests in flight per engine (for metrics and tests)."""
-        return list(self._inflight)

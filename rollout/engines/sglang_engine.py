@@ -94,7 +94,7 @@ class SGLangEngine:
             serialized_named_tensors=[MultiprocessingSerializer.serialize(tensors)],
             flush_cache=flush_cache, weight_version=str(weight_version),
         )
-        self._in_update_session(self._tm.update_weights_from_tensor(req, None), "update_weights_from_tensor")
+        self._call(self._session(self._tm.update_weights_from_tensor(req, None), "update_weights_from_tensor"))
         self._weight_version = weight_version
 
     def update_weights_from_disk(self, model_path: str, *, weight_version: int) -> None:
@@ -142,9 +142,6 @@ class SGLangEngine:
             _check(await update, what)
         finally:
             _check(await self._tm.end_weight_update(EndWeightUpdateReqInput(), None), "end_weight_update")
-
-    def _in_update_session(self, update: Coroutine, what: str) -> None:
-        self._call(self._session(update, what))
 
 
 def _check(result: Any, what: str) -> None:

@@ -294,11 +294,12 @@ class AgentLoop:
         jobs = []
         for p in prompts:
             tool_names = self.tools.select(p.tools_kwargs)
-            prompt_ids = self.codec.prompt_ids(p.messages, self.tools.schemas(tool_names) if tool_names else None)
+            schemas = self.tools.schemas(tool_names) if tool_names else None
+            prompt_ids = self.codec.prompt_ids(p.messages, schemas)
             for k in range(self.config.n):
                 traj = self._new_trajectory(p, k, tool_names, prompt_ids)
                 trajs.append(traj)
-                jobs.append(self._run(traj))
+                jobs.append(self._run(traj, schemas))
         self._tasks = {asyncio.ensure_future(j) for j in jobs}
         try:
             await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -350,8 +351,11 @@ class AgentLoop:
             self._parsers[key] = ToolCallParser(schemas, self.config.multi_turn.format)
         return self._parsers[key]
 
-    async def _run(self, traj: Trajectory) -> Trajectory:
-        """Run one trajectory to its end; never raises (cancellation ends it as aborted)."""
+    async def _run(self, traj: Trajectory, schemas: list[dict[str, Any]] | None) -> Trajectory:
+        """Run one trajectory to its end; never raises (cancellation ends it as aborted).
+
+        `schemas` are the tool schemas its prompt was rendered with (for the drift check).
+        """
         try:
             async with AsyncExitStack() as stack:
                 instances: dict[str, str] = {}
@@ -377,7 +381,6 @@ class AgentLoop:
             self.router.release(traj.uid)
         if traj.status is not TrajectoryStatus.DONE:
             traj.finish(FinishReason.ERROR, "the loop ended without a finish reason")
-        schemas = self.tools.schemas(traj.tool_names) if traj.tool_names else None
         traj.drift_index = self.codec.drift_index(traj, schemas)
         return traj
 

@@ -95,13 +95,12 @@ class Gsm8kTool(BaseTool):
                 f"extra_info.tools_kwargs.{self.name}.create_kwargs"
             )
         instance_id, _ = await super().create(instance_id)
-        self._instances[instance_id] = {"ground_truth": str(ground_truth), "answer": "", "reward": 0.0}
+        self._instances[instance_id] = {"ground_truth": str(ground_truth), "reward": 0.0}
         return instance_id, None
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any):
         state = self._instances[instance_id]
         answer = str(parameters.get("answer", ""))
-        state["answer"] = answer
         solution = answer if answer.lstrip().startswith("####") else f"#### {answer}"
         reward = gsm8k_score(solution, state["ground_truth"], self.method, self.format_score)
         step_reward = 0.0 if reward > state["reward"] else self.penalty

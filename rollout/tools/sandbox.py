@@ -44,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -80,18 +80,9 @@ class SandboxLimits:
     max_output_bytes: int = 16384  # per stream (stdout, stderr)
 
     def __post_init__(self) -> None:
-        for name in (
-            "wall_timeout_s",
-            "cpu_time_s",
-            "memory_mb",
-            "file_size_mb",
-            "max_processes",
-            "max_open_files",
-            "disk_mb",
-            "max_output_bytes",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)}")
+        for f in fields(self):
+            if getattr(self, f.name) <= 0:
+                raise ValueError(f"SandboxLimits.{f.name} must be > 0, got {getattr(self, f.name)}")
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""The training recipe: config, data, rewards, RL algorithms, the trainer and its entry point."""

@@ -1,0 +1,1 @@
+"""Rollout: the async multi-turn agent loop, its engines, tools, interactions and the trajectory record."""

@@ -16,6 +16,7 @@ rows, so a row's own dict comes back with the other rows' tools set to null.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections.abc import Iterator, Sequence
@@ -130,9 +131,7 @@ class RLDataset:
                 for pos in order[start:start + batch_size]:
                     base, source = self.items[pos]
                     uid = f"e{epoch}/{pos}"
-                    prompts.append(RolloutPrompt(uid=uid, messages=base.messages, tools_kwargs=base.tools_kwargs,
-                                                 interaction_kwargs=base.interaction_kwargs,
-                                                 ground_truth=base.ground_truth, extra_info=base.extra_info))
+                    prompts.append(dataclasses.replace(base, uid=uid))
                     sources[uid] = source
                 yield PromptBatch(prompts=prompts, data_sources=sources, epoch=epoch)
             epoch += 1

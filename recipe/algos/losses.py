@@ -98,8 +98,12 @@ class ValueLossConfig:
         _check_agg("critic", self.loss_agg_mode, self.loss_scale_factor)
 
 
-def _global_counts(mb: dict[str, Any]) -> tuple[int, int]:
-    """Read and check mb's global_token_count and global_seq_count."""
+def _mask_and_counts(mb: dict[str, Any]) -> tuple[Tensor, int, int]:
+    """Read and check mb's `response_mask` (B, T), `global_token_count` and `global_seq_count`."""
+    if "response_mask" not in mb:
+        raise ValueError(f"micro-batch lacks 'response_mask' (B, T); it has {sorted(mb)}")
+    mask = mb["response_mask"]
+    check_2d("response_mask", mask)
     counts = []
     for key in ("global_token_count", "global_seq_count"):
         if key not in mb:
@@ -108,7 +112,7 @@ def _global_counts(mb: dict[str, Any]) -> tuple[int, int]:
         if value <= 0:
             raise ValueError(f"micro-batch {key} is {value}; it must be > 0 (the mini-batch has no sampled tokens?)")
         counts.append(value)
-    return counts[0], counts[1]
+    return mask, counts[0], counts[1]
 
 
 def _tensors(mb: dict[str, Any], keys: tuple[str, ...], mask: Tensor) -> list[Tensor]:
@@ -152,11 +156,7 @@ def policy_loss(mb: dict[str, Any], cfg: PolicyLossConfig) -> tuple[Tensor, dict
     optional `entropy`, `ref_log_probs` (B, T); ints `global_token_count`, `global_seq_count`.
     Metrics: pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, and entropy / kl_loss when present.
     """
-    if "response_mask" not in mb:
-        raise ValueError(f"micro-batch lacks 'response_mask' (B, T); it has {sorted(mb)}")
-    mask = mb["response_mask"]
-    check_2d("response_mask", mask)
-    n_tok, n_seq = _global_counts(mb)
+    mask, n_tok, n_seq = _mask_and_counts(mb)
     log_probs, old_log_probs, advantages = _tensors(mb, ("log_probs", "old_log_probs", "advantages"), mask)
     check_finite("advantage", advantages, mask, where="micro-batch row")
     check_finite("old_log_probs", old_log_probs, mask, where="micro-batch row")
@@ -216,11 +216,7 @@ def value_loss(mb: dict[str, Any], cfg: ValueLossConfig) -> tuple[Tensor, dict[s
     `global_token_count`, `global_seq_count`. Loss: 0.5 * agg(max((v - R)^2, (v_clip - R)^2))
     with v_clip = old + clamp(v - old, +-cliprange_value). Metrics: vf_loss, vf_clipfrac, vpred_mean.
     """
-    if "response_mask" not in mb:
-        raise ValueError(f"micro-batch lacks 'response_mask' (B, T); it has {sorted(mb)}")
-    mask = mb["response_mask"]
-    check_2d("response_mask", mask)
-    n_tok, n_seq = _global_counts(mb)
+    mask, n_tok, n_seq = _mask_and_counts(mb)
     values, old_values, returns = _tensors(mb, ("values", "old_values", "returns"), mask)
     check_finite("return", returns, mask, where="micro-batch row")
     check_finite("old value", old_values, mask, where="micro-batch row")

@@ -24,6 +24,7 @@ CLI: `python -m recipe.data.gsm8k --out DIR [--local-dir DIR_WITH_JSONL]`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 from collections.abc import Iterable, Iterator
@@ -131,7 +132,7 @@ def preprocess(out_dir: str | Path, local_dir: str | Path | None = None, limit: 
     paths = {}
     for split in SPLITS:
         records = read_local_split(local_dir, split) if local_dir is not None else read_hub_split(split)
-        rows = (make_row(r, split, i, interaction) for i, r in enumerate(records) if limit is None or i < limit)
+        rows = (make_row(r, split, i, interaction) for i, r in enumerate(itertools.islice(records, limit)))
         paths[split] = out / f"{split}.parquet"
         n = write_rows(rows, paths[split])
         logger.info("gsm8k %s: %d rows -> %s", split, n, paths[split])

@@ -74,6 +74,7 @@ class InteractionRegistry:
 
     @property
     def names(self) -> list[str]:
+        """Names of the registered interactions, in config order."""
         return list(self.runners)
 
     def resolve_name(self, interaction_kwargs: dict[str, Any] | None) -> str:

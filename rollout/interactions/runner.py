@@ -45,6 +45,7 @@ class InteractionRunner:
         self.live_instances: set[str] = set()
 
     async def start(self, instance_id: str | None = None, **interaction_kwargs: Any) -> str:
+        """Start an instance (time-limited) and count it; prefer `session`, which also finalizes it."""
         iid = await asyncio.wait_for(
             self.interaction.start_interaction(instance_id, **interaction_kwargs), self.timeout_s
         )

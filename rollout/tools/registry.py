@@ -128,6 +128,7 @@ class ToolRegistry:
 
     @property
     def names(self) -> list[str]:
+        """Names of the registered tools, in config order."""
         return list(self.runners)
 
     def runner(self, name: str) -> ToolRunner:

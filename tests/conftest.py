@@ -3,7 +3,10 @@ session, and disposable HOME/tmp state for Ray, wandb and HF caches."""
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -40,3 +43,20 @@ def sglang_engine(tiny_model_dir):
                           max_total_tokens=16384, log_level="error")
     yield engine
     engine.shutdown()
+
+
+@contextmanager
+def local_ray_cluster(tmp_path_factory, num_cpus: int, pickle_by_value: str) -> Iterator[None]:
+    """A private Ray cluster of `num_cpus` CPUs (no dashboard, temp dir under pytest's tmp) for
+    one test module's fixture; functions and classes of module `pickle_by_value` are shipped to
+    the Ray actors by value, so the actors need not import the test module."""
+    import cloudpickle
+    import ray
+
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    cloudpickle.register_pickle_by_value(sys.modules[pickle_by_value])
+    try:
+        yield
+    finally:
+        ray.shutdown()

@@ -5,7 +5,6 @@ checkpoint; every layout is a fresh `MegatronWorkerGroup` of gloo CPU ranks.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 
 from megatron_workers.logprobs import vocab_parallel_logprobs_entropy
 from megatron_workers.ports import free_port
+from tests.conftest import local_ray_cluster
 
 # ---------------------------------------------------------------------------------------------
 # Helpers shared with test_checkpoint.py / test_worker_group.py (imported from here)
@@ -195,15 +195,8 @@ def test_dynamic_micro_batches_respect_token_budget_and_cover_every_row():
 
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")))
-    import cloudpickle
-
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    yield
-    ray.shutdown()
+    with local_ray_cluster(tmp_path_factory, num_cpus=4, pickle_by_value=__name__):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -1,24 +1,17 @@
 """Resume checkpoints and HF export of a Megatron actor group (real Megatron ranks on Ray)."""
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
+from tests.conftest import local_ray_cluster
 from tests.test_actor import build_actor, hf_log_probs, hf_weights, make_batch, ppo_batch, update
 
 
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
-    import cloudpickle
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")))
-    cloudpickle.register_pickle_by_value(sys.modules["tests.test_actor"])
-    yield
-    ray.shutdown()
+    with local_ray_cluster(tmp_path_factory, num_cpus=4, pickle_by_value="tests.test_actor"):
+        yield
 
 
 def _train_cfg():

@@ -1,12 +1,11 @@
 """MegatronWorkerGroup: batch splitting, layout refusals before any actor starts, rank wiring."""
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
 from megatron_workers.worker_group import ParallelLayout, concat_results, split_batch
+from tests.conftest import local_ray_cluster
 
 
 @pytest.mark.unit
@@ -43,14 +42,8 @@ def test_parallel_layout_rejects_non_positive_sizes():
 
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
-    import cloudpickle
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")))
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    yield
-    ray.shutdown()
+    with local_ray_cluster(tmp_path_factory, num_cpus=2, pickle_by_value=__name__):
+        yield
 
 
 @pytest.mark.integration

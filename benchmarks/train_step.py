@@ -90,6 +90,7 @@ def timed_alternating(steps: dict[str, object], repeats: int) -> dict[str, float
 
 
 def run(model_dir: Path, batch: dict[str, torch.Tensor], repeats: int, threads: int) -> dict[str, float]:
+    """Median step seconds of both sides: a one-rank Megatron group (private Ray cluster) and PyTorch."""
     import ray
 
     from megatron_workers.actor import ActorConfig, MegatronActor, OptimConfig

@@ -107,11 +107,13 @@ class RankWorker:
         self.role = factory()
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`self.role.method(*args, **kwargs)`; refuses before `build_role`."""
         if self.role is None:
             raise RuntimeError(f"rank {self.rank}: call {method!r} before build_role()")
         return getattr(self.role, method)(*args, **kwargs)
 
     def shutdown(self) -> None:
+        """Drop the role and tear down this rank's process groups."""
         from megatron_workers import parallel
 
         self.role = None

@@ -166,6 +166,8 @@ class MicroBatch:
 
 
 def _window(attention_mask: torch.Tensor, resp_len: int) -> tuple[int, int]:
+    """Columns [lo, hi) of `attention_mask` (b, S) holding a real token in some row, widened to
+    keep the last prompt column and the first response column."""
     S = attention_mask.shape[1]
     cols = attention_mask.bool().any(dim=0).nonzero().flatten()
     lo = min(int(cols[0]), S - resp_len - 1)
@@ -186,24 +188,17 @@ def split_micro_batches(batch: Batch, cfg: ActorConfig) -> list[MicroBatch]:
     B = batch["input_ids"].shape[0]
     if not cfg.use_dynamic_bsz:
         return [_make_micro_batch(batch, torch.arange(i, min(i + cfg.micro_batch_size, B))) for i in range(0, B, cfg.micro_batch_size)]
-    lengths = batch["attention_mask"].sum(dim=1)
-    order = torch.argsort(lengths, descending=True, stable=True)
+    attention_mask, T = batch["attention_mask"], batch["responses"].shape[1]
+    order = torch.argsort(attention_mask.sum(dim=1), descending=True, stable=True)
     packs: list[list[int]] = [[]]
     for i in order.tolist():
         candidate = packs[-1] + [i]
-        if packs[-1] and _make_micro_batch(batch, torch.tensor(candidate)).tokens > cfg.max_token_len:
+        lo, hi = _window(attention_mask[candidate], T)  # the window alone: no copy of every tensor
+        if packs[-1] and len(candidate) * (hi - lo) > cfg.max_token_len:
             packs.append([i])
         else:
             packs[-1] = candidate
     return [_make_micro_batch(batch, torch.tensor(sorted(p))) for p in packs]
-
-
-def _causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(b, s) 1/0 -> Megatron's (b, 1, s, s) bool mask, True where attention is blocked."""
-    s = attention_mask.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()  # (s, s)
-    allowed = causal.unsqueeze(0) & attention_mask.bool().unsqueeze(1)  # (b, s, s)
-    return ~allowed.unsqueeze(1)
 
 
 def _scatter_rows(chunks: list[tuple[torch.Tensor, torch.Tensor]], B: int, T: int) -> torch.Tensor:
@@ -306,7 +301,7 @@ class MegatronRunner:
             output = model(
                 input_ids=t["input_ids"][:, mb.lo:mb.hi].to(self._device),
                 position_ids=t["position_ids"][:, mb.lo:mb.hi].to(self._device),
-                attention_mask=_causal_padding_mask(attn).to(self._device),
+                attention_mask=mmodel.causal_padding_mask(attn.to(self._device)),  # built on the device
             )
             return output, functools.partial(loss_func, mb)
 

@@ -95,14 +95,6 @@ def hf_reference(hf_dir: str | Path, batch: ParityBatch) -> tuple[torch.Tensor, 
     return logits, next_token_logprobs(logits, batch.input_ids)
 
 
-def megatron_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Megatron's boolean mask (B, 1, T, T), True where attention is NOT allowed: causal + padding keys."""
-    length = attention_mask.shape[1]
-    causal = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)  # (T, T)
-    padded_key = attention_mask[:, None, None, :] == 0  # (B, 1, 1, T)
-    return causal[None, None] | padded_key
-
-
 def _megatron_forward(model: torch.nn.Module, batch: ParityBatch) -> dict[str, torch.Tensor] | None:
     """Forward through Megatron's pipeline schedule; on the last stage: full logits and log-probs."""
     from megatron.core import parallel_state, tensor_parallel
@@ -112,7 +104,7 @@ def _megatron_forward(model: torch.nn.Module, batch: ParityBatch) -> dict[str, t
     ids = batch.input_ids.to(device)  # (B, T)
     bsz, length = ids.shape
     position_ids = torch.arange(length, device=device)[None, :].expand(bsz, length)  # (B, T)
-    mask = megatron_attention_mask(batch.attention_mask).to(device)  # (B, 1, T, T)
+    mask = conversion.causal_padding_mask(batch.attention_mask).to(device)  # (B, 1, T, T)
 
     def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         shard = output.float()  # (B, T, V/tp)

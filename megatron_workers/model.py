@@ -218,6 +218,15 @@ def build_gpt_model(
     )
 
 
+def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """`attention_mask` (b, s) of 1/0 -> the GPTModel's (b, 1, s, s) bool mask, True where attention
+    is blocked: a later position (causal) or a padding key."""
+    s = attention_mask.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()  # (s, s)
+    allowed = causal.unsqueeze(0) & attention_mask.bool().unsqueeze(1)  # (b, s, s)
+    return ~allowed.unsqueeze(1)
+
+
 # ---------------------------------------------------------------------------------------------
 # The name/shape plan: which Megatron parameter holds which HF tensors, split how.
 

@@ -146,7 +146,7 @@ def test_roundtrip_and_logits_single_rank(world_of_one, tmp_path, family, tied):
     ids = batch.input_ids
     positions = torch.arange(ids.shape[1]).expand_as(ids)
     with torch.no_grad():
-        logits = gpt(ids, positions, check_parity.megatron_attention_mask(batch.attention_mask))  # (B, T, V)
+        logits = gpt(ids, positions, conversion.causal_padding_mask(batch.attention_mask))  # (B, T, V)
     ref_logits, _ = check_parity.hf_reference(ckpt, batch)
     valid = batch.attention_mask.bool()
     assert (logits[valid] - ref_logits[valid]).abs().max().item() < 1e-4

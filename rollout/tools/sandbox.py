@@ -118,6 +118,14 @@ def _world_executable(path: str) -> bool:
     return all(os.stat(parent).st_mode & 0o001 for parent in real.parents)
 
 
+def _workdir_parent() -> str:
+    """Where rlimits-mode work dirs go: the temp dir, unless the sandbox's unprivileged uid could not
+    reach it (a private TMPDIR such as one made by `mktemp -d`); then /tmp."""
+    parent = tempfile.gettempdir()
+    reachable = all(os.stat(p).st_mode & 0o001 for p in (Path(parent), *Path(parent).parents))
+    return parent if reachable else "/tmp"
+
+
 def find_interpreter(preferred: str | None, drop_privileges: bool) -> str:
     """A python3 the sandbox user can run: `preferred`, else /usr/bin/python3, PATH's python3, ours."""
     candidates = [preferred] if preferred else ["/usr/bin/python3", shutil.which("python3"), sys.executable]
@@ -240,7 +248,7 @@ class Sandbox:
     async def run(self, code: str) -> SandboxResult:
         """Run `code` as a script; never raises for anything the code does."""
         uid = self._take_uid()
-        workdir = None if self.isolation == "namespaces" else tempfile.mkdtemp(prefix="polyturn-sandbox-")
+        workdir = None if self.isolation == "namespaces" else tempfile.mkdtemp(prefix="polyturn-sandbox-", dir=_workdir_parent())
         try:
             return await self._run(code, uid, workdir)
         finally:

@@ -13,6 +13,7 @@ bumps `weight_version`, which each generated turn reports. (SGLang's broadcast p
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import threading
@@ -49,8 +50,10 @@ class SGLangEngine:
         self._engine = sglang.Engine(model_path=model_path, weight_version=str(weight_version), **kwargs)
         root.setLevel(level)  # the Engine re-configures the root logger (basicConfig(force=True)): undo it
         root.handlers[:] = handlers
-        # The engine's own subprocesses (scheduler, detokenizer): the only processes `shutdown` stops.
-        self._procs = [p for p in psutil.Process().children() if p.pid not in before]
+        # The engine's own subprocesses (scheduler, detokenizer): the only processes `shutdown` stops. Python's
+        # multiprocessing resource tracker may have started in the same window; it serves the whole process.
+        self._procs = [p for p in psutil.Process().children()
+                       if p.pid not in before and "resource_tracker" not in " ".join(_cmdline(p))]
         self._tm = self._engine.tokenizer_manager
         self._weight_version = weight_version
         self._inflight: set[str] = set()
@@ -111,6 +114,8 @@ class SGLangEngine:
         `sglang.Engine.shutdown` kills every child of the calling process (Ray's, wandb's, other
         engines'), so only the processes this engine started are stopped here.
         """
+        if self._thread.is_alive():
+            self._submit(_cancel_other_tasks()).result(timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         procs: list[psutil.Process] = []
@@ -121,6 +126,7 @@ class SGLangEngine:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
         psutil.wait_procs(procs, timeout=30)
+        atexit.unregister(self._engine.shutdown)  # the Engine's own exit hook would kill every child of this process
 
     # -- plumbing -----------------------------------------------------------------------------
 
@@ -142,6 +148,22 @@ class SGLangEngine:
             _check(await update, what)
         finally:
             _check(await self._tm.end_weight_update(EndWeightUpdateReqInput(), None), "end_weight_update")
+
+
+def _cmdline(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except psutil.Error:
+        return []
+
+
+async def _cancel_other_tasks() -> None:
+    """Cancel the tasks SGLang's tokenizer manager left on this loop (so none is destroyed while pending)."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=5)
 
 
 def _check(result: Any, what: str) -> None:

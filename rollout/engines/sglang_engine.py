@@ -114,6 +114,9 @@ class SGLangEngine:
         `sglang.Engine.shutdown` kills every child of the calling process (Ray's, wandb's, other
         engines'), so only the processes this engine started are stopped here.
         """
+        watchdog = getattr(self._tm, "_subprocess_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()  # it SIGQUITs this process when an engine subprocess exits non-zero, as killed ones do
         if self._thread.is_alive():
             self._submit(_cancel_other_tasks()).result(timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)

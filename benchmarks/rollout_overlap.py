@@ -28,7 +28,8 @@ import tempfile
 import time
 from typing import Any
 
-from rollout.agent_loop import AgentLoop, AgentLoopConfig, MultiTurnConfig, RolloutPrompt
+from rollout.agent_loop import AgentLoop, RolloutPrompt
+from rollout.config import MultiTurnConfig, RolloutConfig
 from rollout.engines.base import GenerateResult
 from rollout.interactions.registry import InteractionRegistry
 from rollout.tools.base import BaseTool
@@ -107,7 +108,7 @@ def _prompts(work: Workload) -> list[RolloutPrompt]:
 
 
 def _agent_loop(engine: SteeredEngine, tokenizer: Any, work: Workload) -> AgentLoop:
-    config = AgentLoopConfig(n=1, response_length=1536, max_model_len=2048, temperature=1.0,
+    config = RolloutConfig(n=1, response_length=1536, max_model_len=2048, temperature=1.0,
                              multi_turn=MultiTurnConfig(max_assistant_turns=work.turns + 1))
     return AgentLoop([engine], tokenizer, config, ToolRegistry([WaitTool(work)]), InteractionRegistry([]))
 

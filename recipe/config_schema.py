@@ -2,13 +2,17 @@
 
 `PPOConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))` builds the tree and validates
 it: each dataclass checks its own fields in `__post_init__`, `PPOConfig` checks what spans
-sections (batch sizes against the parallel layout, a model to train, the files to read), and
-an unknown key anywhere is refused naming its full dotted path and the known keys of that
-section. Errors name the key and the fix, before Ray or any engine starts.
+sections (batch sizes against the parallel layout, the files to read), and an unknown key
+anywhere is refused naming its full dotted path and the known keys of that section. Errors
+name the key and the fix, before Ray or any engine starts. Importing this module loads neither
+Megatron nor SGLang.
 
-Each part receives only its own piece: the agent loop an `AgentLoopConfig`, the Megatron
-workers an `ActorConfig`, the losses a `PolicyLossConfig` / `ValueLossConfig`, the advantage
-estimators an `AlgorithmConfig`; nothing below the entry point reads `config.a.b.c`.
+Each field is declared once, with a docstring under it, in the dataclass of the part that
+reads it, and the parts receive their sections as they are: `actor_rollout_ref.actor` is the
+Megatron rank's `ActorConfig` (megatron_workers.config) and the policy loss's
+`PolicyLossConfig` (recipe.algos) in one class; `critic` likewise with `ValueLossConfig`;
+`actor_rollout_ref.rollout` is the agent loop's `RolloutConfig` (rollout.config); `algorithm`
+is the estimators' `AlgorithmConfig`. Nothing below the entry point reads `config.a.b.c`.
 
 Where it departs from verl's config: there is one micro-batch size per role (Megatron's
 `ppo_micro_batch_size_per_gpu` also sizes the log-prob passes), the data-parallel size is
@@ -24,10 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_workers.actor import ActorConfig, OptimConfig
+from megatron_workers.config import ActorConfig, WorkerConfig
 from recipe.algos import AlgorithmConfig, PolicyLossConfig, ValueLossConfig
-from rollout.agent_loop import AgentLoopConfig, MultiTurnConfig
-
+from rollout.config import RolloutConfig
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOGGERS = ("console", "wandb")
 
@@ -53,11 +56,16 @@ def resolve_path(value: str | None, key: str, must_exist: bool = True) -> str | 
 class DataConfig:
     """`data.*`: what to train on and how long prompts and responses may be."""
 
-    train_files: list[str] = field(default_factory=list)  # verl-format parquet files (recipe.data.gsm8k writes them)
-    train_batch_size: int = 256  # prompts per step (each rolled out `rollout.n` times)
-    max_prompt_length: int = 1024  # longer prompts (chat template + tool schemas) are dropped at load
-    max_response_length: int = 1024  # response-token budget per trajectory (sampled + tool + user tokens)
-    shuffle: bool = True  # reshuffle the prompts every epoch (seeded by trainer.seed)
+    train_files: list[str] = field(default_factory=list)
+    """verl-format parquet files (python -m recipe.data.gsm8k writes them)."""
+    train_batch_size: int = 256
+    """Prompts per step (each rolled out `rollout.n` times)."""
+    max_prompt_length: int = 1024
+    """Longer prompts (chat template + tool schemas) are dropped at load."""
+    max_response_length: int = 1024
+    """Response-token budget per trajectory (sampled + tool + user tokens); rollout.response_length follows it."""
+    shuffle: bool = True
+    """Reshuffle the prompts every epoch (seeded by trainer.seed)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.train_files, str):
@@ -75,8 +83,10 @@ class DataConfig:
 class ModelConfig:
     """`actor_rollout_ref.model.*`: the policy's HF checkpoint."""
 
-    path: str | None = None  # HF checkpoint directory, or a hub id downloaded at start (machines with internet)
-    build_tiny: bool = False  # no path: write recipe.tiny_model's seeded checkpoint into the output dir (CPU preset)
+    path: str | None = None
+    """HF checkpoint directory, or a hub id downloaded at start (machines with internet)."""
+    build_tiny: bool = False
+    """No path: write recipe.tiny_model's seeded checkpoint into the output dir (CPU preset)."""
 
     def __post_init__(self) -> None:
         if self.path is None and not self.build_tiny:
@@ -94,94 +104,26 @@ def is_hub_id(value: str) -> bool:
 
 
 @dataclass
-class MegatronConfig:
-    """`*.megatron.*`: the model-parallel layout (data parallelism fills the remaining ranks)."""
+class ActorSection(ActorConfig, PolicyLossConfig):
+    """`actor_rollout_ref.actor.*`: the Megatron policy ranks' `ActorConfig` and the `PolicyLossConfig`, as one section.
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
+    The ranks and the policy loss both receive this object as it is; the reference policy is
+    the same section with `optim=None`.
+    """
 
     def __post_init__(self) -> None:
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"megatron.{key} is {getattr(self, key)}; it must be >= 1")
+        ActorConfig.__post_init__(self)
+        PolicyLossConfig.__post_init__(self)
 
 
 @dataclass
-class ActorSection:
-    """`actor_rollout_ref.actor.*`: Megatron layout, optimizer, batching and the policy loss."""
-
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    ppo_mini_batch_size: int = 64  # prompts per optimizer step (x rollout.n samples), as in verl
-    ppo_micro_batch_size_per_gpu: int = 4  # samples per forward/backward on one rank (also for log-probs)
-    use_dynamic_bsz: bool = False  # pack micro-batches by token count instead
-    ppo_max_token_len_per_gpu: int = 16384  # token budget of a dynamic micro-batch
-    ppo_epochs: int = 1
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float | None = 3.0
-    loss_agg_mode: str = "token-mean"
-    loss_scale_factor: float | None = None
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
+class CriticSection(WorkerConfig, ValueLossConfig):
+    """`critic.*`: the value model (built from the policy's checkpoint, used by adv_estimator=gae): its
+    ranks' `WorkerConfig` and the `ValueLossConfig`, as one section."""
 
     def __post_init__(self) -> None:
-        self.policy_loss()  # validates the loss keys
-        for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs", "ppo_max_token_len_per_gpu"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"actor_rollout_ref.actor.{key} is {getattr(self, key)}; it must be >= 1")
-
-    def policy_loss(self) -> PolicyLossConfig:
-        """The policy-loss settings (recipe.algos)."""
-        names = {f.name for f in dataclasses.fields(PolicyLossConfig)}
-        return PolicyLossConfig(**{k: getattr(self, k) for k in names})
-
-    def worker_config(self, temperature: float, with_optimizer: bool = True) -> ActorConfig:
-        """The Megatron worker's settings; `with_optimizer=False` gives the reference policy."""
-        return ActorConfig(micro_batch_size=self.ppo_micro_batch_size_per_gpu, use_dynamic_bsz=self.use_dynamic_bsz,
-                           max_token_len=self.ppo_max_token_len_per_gpu, ppo_epochs=self.ppo_epochs,
-                           temperature=temperature, optim=self.optim if with_optimizer else None)
-
-
-@dataclass
-class RolloutSection:
-    """`actor_rollout_ref.rollout.*`: SGLang engines and the agent loop."""
-
-    name: str = "sglang"  # the only engine polyturn drives
-    n: int = 1  # samples per prompt (GRPO group size)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    num_engines: int = 1  # SGLang engines the agent loop routes over
-    tensor_model_parallel_size: int = 1  # GPUs per engine (SGLang tp_size)
-    dtype: str = "bfloat16"  # engine weights dtype ("float32" for exact comparisons on CPU)
-    gpu_memory_utilization: float = 0.5  # SGLang mem_fraction_static
-    max_total_tokens: int | None = None  # KV-cache size in tokens; None: SGLang sizes it (always set on CPU)
-    max_model_len: int | None = None  # prompt + response limit per trajectory; None: only the response budget
-    update_weights_bucket_megabytes: int = 512  # weight-sync bucket size
-    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
-
-    def __post_init__(self) -> None:
-        if self.name != "sglang":
-            raise ConfigError(f"actor_rollout_ref.rollout.name is {self.name!r}; polyturn drives SGLang only: use sglang")
-        for key in ("n", "num_engines", "tensor_model_parallel_size", "update_weights_bucket_megabytes"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"actor_rollout_ref.rollout.{key} is {getattr(self, key)}; it must be >= 1")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(f"actor_rollout_ref.rollout.gpu_memory_utilization is {self.gpu_memory_utilization}; "
-                              "it must lie in (0, 1]")
-        mt = self.multi_turn
-        mt.tool_config_path = resolve_path(mt.tool_config_path, "actor_rollout_ref.rollout.multi_turn.tool_config_path")
-        mt.interaction_config_path = resolve_path(
-            mt.interaction_config_path, "actor_rollout_ref.rollout.multi_turn.interaction_config_path")
-
-    def agent_loop_config(self, response_length: int) -> AgentLoopConfig:
-        """The agent loop's settings (`response_length` comes from data.max_response_length)."""
-        return AgentLoopConfig(n=self.n, response_length=response_length, max_model_len=self.max_model_len,
-                               temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                               multi_turn=self.multi_turn)
+        WorkerConfig.__post_init__(self)
+        ValueLossConfig.__post_init__(self)
 
 
 @dataclass
@@ -189,47 +131,44 @@ class ActorRolloutRefConfig:
     """`actor_rollout_ref.*`."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy checkpoint."""
     actor: ActorSection = field(default_factory=ActorSection)
-    rollout: RolloutSection = field(default_factory=RolloutSection)
-
-
-@dataclass
-class CriticConfig:
-    """`critic.*`: the value model, built from the policy's checkpoint (used by adv_estimator=gae)."""
-
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    ppo_mini_batch_size: int = 64  # prompts per optimizer step, as for the actor
-    ppo_micro_batch_size_per_gpu: int = 4
-    ppo_epochs: int = 1
-    cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
-    loss_scale_factor: float | None = None
-
-    def __post_init__(self) -> None:
-        self.value_loss()
-        for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_epochs"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"critic.{key} is {getattr(self, key)}; it must be >= 1")
-
-    def value_loss(self) -> ValueLossConfig:
-        """The value-loss settings (recipe.algos)."""
-        return ValueLossConfig(cliprange_value=self.cliprange_value, loss_agg_mode=self.loss_agg_mode,
-                               loss_scale_factor=self.loss_scale_factor)
-
-    def worker_config(self) -> ActorConfig:
-        """The Megatron critic worker's settings."""
-        return ActorConfig(micro_batch_size=self.ppo_micro_batch_size_per_gpu, ppo_epochs=self.ppo_epochs,
-                           optim=self.optim)
+    """The policy's (and reference's) Megatron ranks and loss."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """The SGLang engines and the agent loop."""
 
 
 @dataclass
 class RewardConfig:
-    """`reward.*`: weights of the rewards a trajectory earns (see recipe.trainer and recipe.algos.place_token_rewards)."""
+    """`reward.*`: weights of the rewards a trajectory earns (recipe.reward combines them)."""
 
-    outcome_weight: float = 1.0  # the data source's scorer on the final answer
-    tool_weight: float = 1.0  # each tool call's step reward, at the end of the calling turn
-    tool_final_weight: float = 0.0  # each tool's final calc_reward (e.g. best gsm8k score), on the last sampled token
-    interaction_weight: float = 0.0  # each interaction turn's score, at the end of the graded turn
+    outcome_weight: float = 1.0
+    """The outcome score (data source's scorer or custom_reward_function), on the last sampled token."""
+    tool_weight: float = 1.0
+    """Each tool call's step reward, on the last token of the assistant turn that made the call."""
+    tool_final_weight: float = 0.0
+    """Each tool's final calc_reward (e.g. the best gsm8k score), on the last sampled token."""
+    interaction_weight: float = 0.0
+    """Each interaction score, on the last token of the assistant turn it graded."""
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    """`custom_reward_function.*` (verl's keys): the outcome scorer from a Python file instead of the registry."""
+
+    path: str | None = None
+    """Python file defining the function; None: the built-in scorer registered for each row's data_source."""
+    name: str = "compute_score"
+    """Function in that file: `compute_score(data_source, solution_str, ground_truth, extra_info, **reward_kwargs)`
+    returning a float or a dict with "score" (its other keys become `reward/extra/*` metrics)."""
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the scorer, custom or built-in (e.g. {method: flexible} for gsm8k)."""
+
+    def __post_init__(self) -> None:
+        self.path = resolve_path(self.path, "custom_reward_function.path")
+        if not isinstance(self.reward_kwargs, dict):
+            raise ConfigError(f"custom_reward_function.reward_kwargs is {self.reward_kwargs!r}; give a mapping, "
+                              "e.g. custom_reward_function.reward_kwargs={method: flexible}")
 
 
 @dataclass
@@ -237,13 +176,21 @@ class TrainerConfig:
     """`trainer.*`: run length, resources, logging."""
 
     project_name: str = "polyturn"
+    """Project name (wandb project)."""
     experiment_name: str = "run"
-    logger: list[str] = field(default_factory=lambda: ["console"])  # any of console, wandb
+    """Run name (wandb run)."""
+    logger: list[str] = field(default_factory=lambda: ["console"])
+    """Metric sinks, any of console, wandb."""
     total_training_steps: int = 1
+    """Steps to train."""
     seed: int = 0
-    default_local_dir: str = "outputs/run"  # metrics.jsonl, wandb files, the tiny model (CPU preset)
-    n_gpus_per_node: int = 1  # Megatron ranks per node (CPU processes without a GPU)
+    """Seed of the data order, the tiny model and the engines' sampling."""
+    default_local_dir: str = "outputs/run"
+    """Output directory: metrics.jsonl, wandb files, the tiny model (CPU preset)."""
+    n_gpus_per_node: int = 1
+    """Megatron ranks per node (CPU processes without a GPU)."""
     nnodes: int = 1
+    """Nodes."""
 
     def __post_init__(self) -> None:
         unknown = [x for x in self.logger if x not in LOGGERS]
@@ -259,8 +206,10 @@ class TrainerConfig:
 class RayInitConfig:
     """`ray_init.*`: the local Ray cluster."""
 
-    num_cpus: int | None = None  # CPUs Ray may use; None: all of this machine's
-    temp_dir: str | None = None  # Ray's session directory; None: Ray's default (or $RAY_TMPDIR)
+    num_cpus: int | None = None
+    """CPUs Ray may use; None: all of this machine's."""
+    temp_dir: str | None = None
+    """Ray's session directory; None: Ray's default (or $RAY_TMPDIR)."""
 
 
 @dataclass
@@ -268,15 +217,28 @@ class PPOConfig:
     """The whole run."""
 
     data: DataConfig = field(default_factory=DataConfig)
+    """`data.*`."""
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
-    critic: CriticConfig = field(default_factory=CriticConfig)
+    """`actor_rollout_ref.*`."""
+    critic: CriticSection = field(default_factory=CriticSection)
+    """`critic.*`."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """`algorithm.*`."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    """`reward.*`."""
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    """`custom_reward_function.*`."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """`trainer.*`."""
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
+    """`ray_init.*`."""
 
     def __post_init__(self) -> None:
         actor, rollout = self.actor_rollout_ref.actor, self.actor_rollout_ref.rollout
+        mt = rollout.multi_turn
+        mt.tool_config_path = resolve_path(mt.tool_config_path, "actor_rollout_ref.rollout.multi_turn.tool_config_path")
+        mt.interaction_config_path = resolve_path(
+            mt.interaction_config_path, "actor_rollout_ref.rollout.multi_turn.interaction_config_path")
         mp = actor.megatron.tensor_model_parallel_size * actor.megatron.pipeline_model_parallel_size
         world = self.trainer.n_gpus_per_node * self.trainer.nnodes
         if world % mp:
@@ -318,6 +280,13 @@ class PPOConfig:
         return _build(cls, d, "")
 
 
+def _section_type(hint: Any) -> type | None:
+    """The dataclass a field holds (`X` or `X | None`), or None for a leaf."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    classes = [o for o in options if dataclasses.is_dataclass(o)]
+    return classes[0] if classes else None
+
+
 def _build(cls: type, d: Any, prefix: str) -> Any:
     """Instantiate dataclass `cls` from mapping `d`, recursing into dataclass-typed fields."""
     where = prefix.rstrip(".") or "the config root"
@@ -331,17 +300,18 @@ def _build(cls: type, d: Any, prefix: str) -> Any:
                           "(check the spelling, or add the key to recipe/config_schema.py)")
     kwargs = {}
     for key, value in d.items():
-        hint = hints[key]
-        if dataclasses.is_dataclass(hint) and value is not None:
-            kwargs[key] = _build(hint, value, f"{prefix}{key}.")
+        section = _section_type(hints[key])
+        if section is not None and value is not None:
+            kwargs[key] = _build(section, value, f"{prefix}{key}.")
         else:
-            kwargs[key] = _check_type(value, hint, prefix + key)
+            kwargs[key] = _check_type(value, hints[key], prefix + key)
     try:
         return cls(**kwargs)
     except ConfigError:
         raise
-    except (ValueError, TypeError) as err:
-        raise ConfigError(f"{where}: {err}") from err
+    except (ValueError, TypeError) as err:  # the section's own check: name the section unless the message does
+        message = str(err)
+        raise ConfigError(message if message.startswith(where) else f"{where}.{message}") from err
 
 
 _SCALARS = {int: (int,), float: (int, float), bool: (bool,), str: (str,)}
@@ -368,9 +338,9 @@ def flat_keys(cls: type = PPOConfig, prefix: str = "") -> list[str]:
     hints = typing.get_type_hints(cls)
     keys = []
     for f in dataclasses.fields(cls):
-        hint = hints[f.name]
-        if dataclasses.is_dataclass(hint):
-            keys.extend(flat_keys(hint, f"{prefix}{f.name}."))
+        section = _section_type(hints[f.name])
+        if section is not None:
+            keys.extend(flat_keys(section, f"{prefix}{f.name}."))
         else:
             keys.append(prefix + f.name)
     return sorted(keys)

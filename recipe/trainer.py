@@ -127,8 +127,8 @@ class Trainer:
         self.tracker = tracker
         self.weight_version = 0  # the engines start from the checkpoint the actor was built from
         self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_ctrl)
-        self.policy_loss_fn = partial(policy_loss, cfg=cfg.actor_rollout_ref.actor.policy_loss())
-        self.value_loss_fn = partial(value_loss, cfg=cfg.critic.value_loss())
+        self.policy_loss_fn = partial(policy_loss, cfg=cfg.actor_rollout_ref.actor)
+        self.value_loss_fn = partial(value_loss, cfg=cfg.critic)
         prompts = cfg.data.train_batch_size
         self.actor_mini_batches = prompts // cfg.actor_rollout_ref.actor.ppo_mini_batch_size
         self.critic_mini_batches = prompts // cfg.critic.ppo_mini_batch_size if workers.critic else 1

@@ -32,87 +32,18 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout.config import RolloutConfig
 from rollout.engines.base import GenerateResult, RolloutEngine
 from rollout.engines.router import EngineRouter
 from rollout.interactions.registry import InteractionRegistry
 from rollout.interactions.runner import InteractionRunner
-from rollout.tool_parser import SUPPORTED_FORMATS, MalformedCall, ParsedCall, ToolCallParser
+from rollout.tool_parser import MalformedCall, ParsedCall, ToolCallParser
 from rollout.tools.registry import ToolRegistry
 from rollout.trajectory import FinishReason, ToolCallRecord, Trajectory, TrajectoryStatus, collate
 
 logger = logging.getLogger(__name__)
 
-TRUNCATE_SIDES = ("left", "right", "middle")
 _PLACEHOLDER = "\u2063POLYTURN_ASSISTANT_PLACEHOLDER\u2063"  # never produced by a model; marks where the delta starts
-
-
-@dataclass
-class MultiTurnConfig:
-    """Multi-turn settings; names follow verl's `actor_rollout_ref.rollout.multi_turn.*`."""
-
-    max_assistant_turns: int = 5
-    """Most assistant (policy) turns per trajectory; a turn that wants to go on past it ends with `max_turns`."""
-    max_user_turns: int = 5
-    """Most simulated-user (interaction) turns per trajectory."""
-    max_parallel_calls: int = 1
-    """Tool calls of one turn running at once (the rest wait; none is dropped)."""
-    max_tool_response_length: int = 256
-    """Token budget of one tool response as the model sees it; longer responses are cut."""
-    tool_response_truncate_side: str = "middle"
-    """Which part of a long tool response is cut: "left" (keep the end), "right" (keep the start), "middle"."""
-    format: str = "qwen25"
-    """Tool-call format, a name known to SGLang's FunctionCallParser ("qwen25", "hermes", ...)."""
-    tool_config_path: str | None = None
-    """YAML of the tools (verl format); None: no tools."""
-    interaction_config_path: str | None = None
-    """YAML of the interactions (verl format); None: no interactions."""
-
-    def __post_init__(self) -> None:
-        for key in ("max_assistant_turns", "max_parallel_calls", "max_tool_response_length"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"multi_turn.{key} must be >= 1, got {getattr(self, key)}")
-        if self.max_user_turns < 0:
-            raise ValueError(f"multi_turn.max_user_turns must be >= 0, got {self.max_user_turns}")
-        if self.tool_response_truncate_side not in TRUNCATE_SIDES:
-            raise ValueError(
-                f"multi_turn.tool_response_truncate_side={self.tool_response_truncate_side!r}; use one of {TRUNCATE_SIDES}"
-            )
-        if self.format not in SUPPORTED_FORMATS:
-            raise ValueError(f"multi_turn.format={self.format!r} is not a SGLang tool-call parser; use one of {SUPPORTED_FORMATS}")
-
-
-@dataclass
-class AgentLoopConfig:
-    """Rollout settings; names follow verl's `actor_rollout_ref.rollout.*`."""
-
-    n: int = 1
-    """Samples per prompt (the GRPO group size)."""
-    response_length: int = 512
-    """Most response tokens per trajectory (sampled + tool + user + template tokens together)."""
-    max_model_len: int | None = None
-    """Most prompt + response tokens (the engine's context); None: only `response_length` limits."""
-    temperature: float = 1.0
-    """Sampling temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling mass."""
-    top_k: int = -1
-    """Top-k sampling; -1 disables it."""
-    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
-    """Multi-turn limits, tool-call format and plug-in configs."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.multi_turn, dict):
-            self.multi_turn = MultiTurnConfig(**self.multi_turn)
-        if self.n < 1:
-            raise ValueError(f"rollout.n must be >= 1, got {self.n}")
-        if self.response_length < 1:
-            raise ValueError(f"rollout.response_length must be >= 1, got {self.response_length}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"rollout.max_model_len must be >= 2 (or null), got {self.max_model_len}")
-        if self.temperature < 0:
-            raise ValueError(f"rollout.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
 
 
 @dataclass
@@ -248,7 +179,7 @@ class AgentLoop:
         self,
         engines: list[RolloutEngine] | EngineRouter,
         tokenizer: Any,
-        config: AgentLoopConfig,
+        config: RolloutConfig,
         tools: ToolRegistry | None = None,
         interactions: InteractionRegistry | None = None,
     ):
@@ -265,7 +196,7 @@ class AgentLoop:
         self._aborted = False
 
     @classmethod
-    def from_config(cls, engines: list[RolloutEngine] | EngineRouter, tokenizer: Any, config: AgentLoopConfig) -> AgentLoop:
+    def from_config(cls, engines: list[RolloutEngine] | EngineRouter, tokenizer: Any, config: RolloutConfig) -> AgentLoop:
         """Build with the tools and interactions named in `config.multi_turn`."""
         mt = config.multi_turn
         return cls(

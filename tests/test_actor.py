@@ -172,12 +172,13 @@ def test_validate_batch_refusals_name_the_sample():
 
 @pytest.mark.unit
 def test_dynamic_micro_batches_respect_token_budget_and_cover_every_row():
-    """Contract: dynamic micro-batches hold every row once and stay within max_token_len
+    """Contract: dynamic micro-batches hold every row once and stay within ppo_max_token_len_per_gpu
     (rows x padding-window length), and the window keeps every real token."""
-    from megatron_workers.actor import ActorConfig, split_micro_batches
+    from megatron_workers.actor import split_micro_batches
+    from megatron_workers.config import ActorConfig
 
     batch = make_batch(vocab=50, seed=2, B=16)
-    cfg = ActorConfig(use_dynamic_bsz=True, max_token_len=60, optim=None)
+    cfg = ActorConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=60, optim=None)
     mbs = split_micro_batches(batch, cfg)
     rows = torch.cat([mb.rows for mb in mbs]).sort().values
     assert rows.tolist() == list(range(16))
@@ -220,7 +221,8 @@ def build_actor(group, model_dir: Path, role_cls=None, **cfg_kwargs) -> None:
     """(Re)build a MegatronActor (or `role_cls`) from `model_dir` on every rank of `group`."""
     import functools
 
-    from megatron_workers.actor import ActorConfig, MegatronActor, OptimConfig
+    from megatron_workers.actor import MegatronActor
+    from megatron_workers.config import ActorConfig, OptimConfig
 
     optim = cfg_kwargs.pop("optim", OptimConfig(lr=1e-3, adam_eps=1e-4, clip_grad=1.0))
     cfg = ActorConfig(optim=optim, **cfg_kwargs)
@@ -261,7 +263,7 @@ def test_log_probs_tp2_pp2_match_transformers(groups, tiny_model_dir):
     batch = make_batch(_vocab(tiny_model_dir), seed=3)
     ref_lp, ref_ent = hf_log_probs(tiny_model_dir, batch)
     group = groups(2, 2)
-    for kwargs in ({"micro_batch_size": 3}, {"use_dynamic_bsz": True, "max_token_len": 40}):
+    for kwargs in ({"ppo_micro_batch_size_per_gpu": 3}, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 40}):
         build_actor(group, tiny_model_dir, optim=None, **kwargs)
         out = concat_results(group.dispatch("compute_log_prob", batch, calculate_entropy=True))
         torch.testing.assert_close(out["log_probs"], ref_lp, rtol=0, atol=1e-4)
@@ -277,7 +279,7 @@ def test_ppo_update_same_weights_for_every_layout(groups, tiny_model_dir):
     results = {}
     for layout in [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2)]:
         group = groups(*layout)
-        build_actor(group, tiny_model_dir, micro_batch_size=2)
+        build_actor(group, tiny_model_dir, ppo_micro_batch_size_per_gpu=2)
         before = hf_weights(group)
         metrics = update(group, batch, mini_batch_size=4)
         results[layout] = (metrics, hf_weights(group))
@@ -307,7 +309,7 @@ def test_bad_input_refused_and_weights_never_nan(groups, tiny_model_dir):
     import ray
 
     group = groups(1, 1)
-    build_actor(group, tiny_model_dir, micro_batch_size=4)
+    build_actor(group, tiny_model_dir, ppo_micro_batch_size_per_gpu=4)
     before = hf_weights(group)
     batch = ppo_batch(tiny_model_dir)
     bad = dict(batch, advantages=batch["advantages"].clone())
@@ -363,7 +365,7 @@ def test_critic_values_match_transformers_and_update_is_layout_independent(group
     after = {}
     for layout in [(2, 2), (1, 1)]:
         group = groups(*layout)
-        build_actor(group, tiny_model_dir, role_cls=MegatronCritic, micro_batch_size=3)
+        build_actor(group, tiny_model_dir, role_cls=MegatronCritic, ppo_micro_batch_size_per_gpu=3)
         values = concat_results(group.dispatch("compute_values", batch))["values"]
         torch.testing.assert_close(values, ref, rtol=0, atol=1e-4)
         metrics = group.dispatch("update_critic", train, mini_batches=2, loss_fn=loss_fn)[0]
@@ -397,12 +399,12 @@ def test_sft_update_matches_plain_pytorch_adamw(groups, tiny_model_dir):
     """Contract: update_sft at (TP, PP) = (1, 2) with 2 micro-batches is the same step as plain
     PyTorch (transformers model, masked token-mean cross-entropy, clip, AdamW): same loss and
     new weights within 1e-5."""
-    from megatron_workers.actor import OptimConfig
+    from megatron_workers.config import OptimConfig
 
     batch = make_batch(_vocab(tiny_model_dir), seed=10)
     ref = torch_sft_step(tiny_model_dir, batch, lr=1e-3, eps=1e-4, clip=0.5)
     group = groups(1, 2)
-    build_actor(group, tiny_model_dir, micro_batch_size=4, optim=OptimConfig(lr=1e-3, adam_eps=1e-4, clip_grad=0.5))
+    build_actor(group, tiny_model_dir, ppo_micro_batch_size_per_gpu=4, optim=OptimConfig(lr=1e-3, adam_eps=1e-4, clip_grad=0.5))
     metrics = group.dispatch("update_sft", batch)[0]
     weights = hf_weights(group)
     assert metrics["sft/sft_loss"] == pytest.approx(ref["loss"], abs=1e-5)

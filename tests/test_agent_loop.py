@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 import pytest
 
-from rollout.agent_loop import AgentLoop, AgentLoopConfig, ChatCodec, MultiTurnConfig, RolloutPrompt
+from rollout.agent_loop import AgentLoop, ChatCodec, RolloutPrompt
+from rollout.config import MultiTurnConfig, RolloutConfig
 from rollout.engines.base import GenerateResult
 from rollout.engines.router import EngineRouter
 from rollout.interactions.base import BaseInteraction
@@ -224,7 +225,7 @@ def _prompt(uid: str, text: str = "What is 2 plus 3?", **kw: Any) -> RolloutProm
 
 def _loop(tokenizer, engine, tools=(), interactions=(), **cfg: Any) -> AgentLoop:
     mt = cfg.pop("multi_turn", {})
-    config = AgentLoopConfig(response_length=cfg.pop("response_length", 256), multi_turn=MultiTurnConfig(**mt), **cfg)
+    config = RolloutConfig(response_length=cfg.pop("response_length", 256), multi_turn=MultiTurnConfig(**mt), **cfg)
     engines = engine if isinstance(engine, list) else [engine]
     return AgentLoop(engines, tokenizer, config, ToolRegistry(list(tools)), InteractionRegistry(list(interactions)))
 
@@ -550,8 +551,8 @@ def test_config_validation_names_the_key():
     with pytest.raises(ValueError, match="max_parallel_calls"):
         MultiTurnConfig(max_parallel_calls=0)
     with pytest.raises(ValueError, match="rollout.n"):
-        AgentLoopConfig(n=0)
-    cfg = AgentLoopConfig(multi_turn={"max_assistant_turns": 2, "format": "hermes"})
+        RolloutConfig(n=0)
+    cfg = RolloutConfig(multi_turn={"max_assistant_turns": 2, "format": "hermes"})
     assert cfg.multi_turn.max_assistant_turns == 2 and cfg.multi_turn.format == "hermes"
 
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from rollout.agent_loop import AgentLoop, AgentLoopConfig, MultiTurnConfig, RolloutPrompt
+from rollout.agent_loop import AgentLoop, RolloutPrompt
+from rollout.config import MultiTurnConfig, RolloutConfig
 from rollout.engines.base import GenerateResult
 from rollout.trajectory import FinishReason
 
@@ -83,7 +84,7 @@ def _gsm8k_prompt(uid: str) -> RolloutPrompt:
 
 
 def _loop(engine, tokenizer, **mt: Any) -> AgentLoop:
-    config = AgentLoopConfig(
+    config = RolloutConfig(
         n=2, response_length=400, temperature=1.0,
         multi_turn=MultiTurnConfig(tool_config_path=str(CONFIGS / "gsm8k_tool_config.yaml"),
                                    interaction_config_path=str(CONFIGS / "gsm8k_interaction_config.yaml"),

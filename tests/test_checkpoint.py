@@ -15,10 +15,10 @@ def ray_cluster(tmp_path_factory):
 
 
 def _train_cfg():
-    from megatron_workers.actor import OptimConfig
+    from megatron_workers.config import OptimConfig
 
     # warm-up over the steps taken, so the scheduler state matters for the resumed step
-    return dict(micro_batch_size=2, optim=OptimConfig(lr=1e-3, lr_warmup_steps=3, adam_eps=1e-4, clip_grad=0.5))
+    return dict(ppo_micro_batch_size_per_gpu=2, optim=OptimConfig(lr=1e-3, lr_warmup_steps=3, adam_eps=1e-4, clip_grad=0.5))
 
 
 @pytest.mark.integration

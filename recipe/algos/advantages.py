@@ -46,14 +46,22 @@ class AdvantageInputs:
 class AlgorithmConfig:
     """`algorithm.*`: advantage estimator and KL in the reward (verl's keys)."""
 
-    adv_estimator: str = "grpo"  # one of ADV_ESTIMATORS
-    gamma: float = 1.0  # discount over sampled tokens (gae, reinforce_plus_plus)
-    lam: float = 1.0  # GAE lambda
-    norm_adv_by_std_in_grpo: bool = True  # GRPO: divide by the group std (False = Dr. GRPO)
-    epsilon: float = 1e-6  # GRPO: added to the group std
-    use_kl_in_reward: bool = False  # subtract beta * KL(old || ref) from token rewards
-    kl_penalty: str = "kl"  # KL estimator for the reward penalty, one of KL_KINDS
+    adv_estimator: str = "grpo"
+    """Advantage estimator, one of ADV_ESTIMATORS (gae needs the critic, remax a greedy rollout per prompt)."""
+    gamma: float = 1.0
+    """Discount over sampled tokens (gae, reinforce_plus_plus)."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group std (False = Dr. GRPO)."""
+    epsilon: float = 1e-6
+    """GRPO: added to the group std."""
+    use_kl_in_reward: bool = False
+    """Subtract beta * KL(old || ref) from token rewards."""
+    kl_penalty: str = "kl"
+    """KL estimator for the reward penalty, one of KL_KINDS."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    """How beta of the KL-in-reward penalty is chosen."""
 
     def __post_init__(self) -> None:
         if isinstance(self.kl_ctrl, dict):

@@ -90,10 +90,14 @@ class AdaptiveKLController:
 class KLControlConfig:
     """`algorithm.kl_ctrl.*`: how beta for KL in the reward is chosen."""
 
-    type: str = "fixed"  # "fixed" or "adaptive"
-    kl_coef: float = 0.001  # beta (initial beta for "adaptive")
-    target_kl: float = 0.1  # adaptive only: the KL beta steers towards
-    horizon: int = 10000  # adaptive only: samples over which beta moves by at most 20%
+    type: str = "fixed"
+    """Controller: "fixed" or "adaptive"."""
+    kl_coef: float = 0.001
+    """Beta (initial beta for "adaptive")."""
+    target_kl: float = 0.1
+    """Adaptive only: the KL that beta steers towards."""
+    horizon: int = 10000
+    """Adaptive only: samples over which beta moves by at most 20%."""
 
     def __post_init__(self) -> None:
         if self.type not in ("fixed", "adaptive"):

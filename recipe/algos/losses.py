@@ -59,15 +59,24 @@ def _check_agg(prefix: str, mode: str, loss_scale_factor: float | None) -> None:
 class PolicyLossConfig:
     """`actor_rollout_ref.actor.*` keys that shape the policy loss."""
 
-    clip_ratio_low: float = 0.2  # ratio lower bound is 1 - clip_ratio_low
-    clip_ratio_high: float = 0.2  # ratio upper bound is 1 + clip_ratio_high (raise it for clip-higher)
-    clip_ratio_c: float | None = 3.0  # dual-clip cap for negative advantages (> 1); None disables
-    loss_agg_mode: str = "token-mean"  # one of LOSS_AGG_MODES
-    loss_scale_factor: float | None = None  # horizon H of seq-mean-token-sum-norm
-    use_kl_loss: bool = False  # add kl_loss_coef * KL(pi || pi_ref) to the loss
+    clip_ratio_low: float = 0.2
+    """The ratio's lower bound is 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """The ratio's upper bound is 1 + clip_ratio_high (raise it for clip-higher)."""
+    clip_ratio_c: float | None = 3.0
+    """Dual-clip cap for negative advantages (> 1); None disables."""
+    loss_agg_mode: str = "token-mean"
+    """How per-token losses become one loss, one of LOSS_AGG_MODES (see the module docstring)."""
+    loss_scale_factor: float | None = None
+    """Horizon H of seq-mean-token-sum-norm."""
+    use_kl_loss: bool = False
+    """Add kl_loss_coef * KL(pi || pi_ref) to the loss."""
     kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"  # one of KL_KINDS
-    entropy_coeff: float = 0.0  # subtract entropy_coeff * entropy from the loss (needs mb["entropy"])
+    """Weight of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the KL loss, one of KL_KINDS."""
+    entropy_coeff: float = 0.0
+    """Subtract entropy_coeff * entropy from the loss (needs mb["entropy"])."""
 
     def __post_init__(self) -> None:
         p = "actor_rollout_ref.actor"
@@ -88,9 +97,12 @@ class PolicyLossConfig:
 class ValueLossConfig:
     """`critic.*` keys that shape the value loss."""
 
-    cliprange_value: float = 0.5  # new values may move at most this far from old values before clipping
-    loss_agg_mode: str = "token-mean"  # one of LOSS_AGG_MODES
-    loss_scale_factor: float | None = None  # horizon H of seq-mean-token-sum-norm
+    cliprange_value: float = 0.5
+    """New values may move at most this far from old values before clipping."""
+    loss_agg_mode: str = "token-mean"
+    """How per-token losses become one loss, one of LOSS_AGG_MODES (see the module docstring)."""
+    loss_scale_factor: float | None = None
+    """Horizon H of seq-mean-token-sum-norm."""
 
     def __post_init__(self) -> None:
         if self.cliprange_value <= 0:

@@ -1,0 +1,95 @@
+"""What a Megatron rank (actor, reference, critic) is configured with: plain dataclasses, no Megatron import.
+
+These are the config sections themselves: `recipe.config_schema` uses them (subclassed with the
+trainer's and the losses' keys) as `actor_rollout_ref.actor.*` and `critic.*`, and the ranks
+receive those sections as they are. Field names are verl's. A `ValueError` names the key
+relative to its section; the config loader prefixes the section's dotted path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+
+
+@dataclass
+class OptimConfig:
+    """`*.optim.*`: Megatron's Adam and OptimizerParamScheduler."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Floor of the LR decay."""
+    lr_warmup_init: float = 0.0
+    """Learning rate at step 0 of the warm-up."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up."""
+    lr_decay_steps: int = 1_000_000
+    """Optimizer steps over which the LR decays to min_lr."""
+    lr_decay_style: str = "constant"
+    """One of constant, linear, cosine, inverse-square-root, WSD."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW)."""
+    adam_beta1: float = 0.9
+    """Adam's first-moment decay."""
+    adam_beta2: float = 0.999
+    """Adam's second-moment decay."""
+    adam_eps: float = 1e-8
+    """Adam's denominator epsilon."""
+    clip_grad: float = 1.0
+    """Max global gradient norm; 0 disables clipping."""
+
+    def __post_init__(self) -> None:
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"lr_decay_style is {self.lr_decay_style!r}; use one of {LR_DECAY_STYLES}")
+        for key in ("lr", "min_lr", "lr_warmup_init", "lr_warmup_steps", "weight_decay", "clip_grad"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key} is {getattr(self, key)}; it must be >= 0")
+        if self.lr_decay_steps < 1:
+            raise ValueError(f"lr_decay_steps is {self.lr_decay_steps}; it must be >= 1")
+
+
+@dataclass
+class MegatronConfig:
+    """`actor_rollout_ref.actor.megatron.*`: the model-parallel layout (data parallelism fills the other ranks)."""
+
+    tensor_model_parallel_size: int = 1
+    """Ranks that split each layer's weights (Megatron TP)."""
+    pipeline_model_parallel_size: int = 1
+    """Ranks that split the layers into stages (Megatron PP)."""
+
+    def __post_init__(self) -> None:
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} is {getattr(self, key)}; it must be >= 1")
+
+
+@dataclass
+class WorkerConfig:
+    """How a rank batches and trains (actor, reference and critic alike); sizes per rank unless said otherwise."""
+
+    optim: OptimConfig | None = field(default_factory=OptimConfig)
+    """Optimizer and LR schedule; None builds a forward-only rank (the reference policy)."""
+    ppo_mini_batch_size: int = 64
+    """Prompts per optimizer step, before x rollout.n (verl's meaning); the trainer splits the batch by it."""
+    ppo_micro_batch_size_per_gpu: int = 4
+    """Samples per forward/backward on one rank; also sizes the log-prob and value passes."""
+    use_dynamic_bsz: bool = False
+    """Pack micro-batches by token count (ppo_max_token_len_per_gpu) instead of a fixed row count."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """Token budget of one dynamic micro-batch: rows x padded window length."""
+    ppo_epochs: int = 1
+    """Passes over each step's batch."""
+
+    def __post_init__(self) -> None:
+        for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu", "ppo_epochs"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} is {getattr(self, key)}; it must be >= 1")
+
+
+@dataclass
+class ActorConfig(WorkerConfig):
+    """A policy (or reference) rank: a WorkerConfig plus the parallel layout."""
+
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Tensor / pipeline parallel sizes."""

@@ -1,0 +1,109 @@
+"""The rollout's config section, `actor_rollout_ref.rollout.*`: plain dataclasses, no SGLang import.
+
+`recipe.config_schema` uses `RolloutConfig` as that section as it is, and the agent loop and
+the engines read it as they are given it. Field names are verl's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TRUNCATE_SIDES = ("left", "right", "middle")
+
+# The tool-call formats of SGLang's FunctionCallParser (sglang 0.5.23); listed here so that
+# validating a config imports no SGLang. tests/test_config.py checks it against SGLang's own list.
+TOOL_CALL_FORMATS = (
+    "apertus2509", "beam", "cohere_command4", "deepseekv3", "deepseekv31", "deepseekv32", "deepseekv4", "deepseekv41",
+    "dots", "gemma4", "gigachat3", "gigachat35", "glm", "glm45", "glm47", "gpt-oss", "hermes", "hunyuan", "inkling",
+    "interns1", "iquest_q1", "k2_horizon", "kimi_k2", "kimi_k3", "lfm2", "ling3", "llama3", "mimo", "minicpm5",
+    "minimax-m2", "minimax-m3", "mistral", "muse", "nanbeige", "poolside_v1", "pythonic", "qwen", "qwen25",
+    "qwen3_coder", "response_template", "spark25", "step3", "step3p5", "trinity",
+)
+
+
+@dataclass
+class MultiTurnConfig:
+    """`actor_rollout_ref.rollout.multi_turn.*`: turn limits, tool-call format, plug-in configs."""
+
+    max_assistant_turns: int = 5
+    """Most assistant (policy) turns per trajectory; a turn that wants to go on past it ends with `max_turns`."""
+    max_user_turns: int = 5
+    """Most simulated-user (interaction) turns per trajectory."""
+    max_parallel_calls: int = 1
+    """Tool calls of one turn running at once (the rest wait; none is dropped)."""
+    max_tool_response_length: int = 256
+    """Token budget of one tool response as the model sees it; longer responses are cut."""
+    tool_response_truncate_side: str = "middle"
+    """Which part of a long tool response is cut: "left" (keep the end), "right" (keep the start), "middle"."""
+    format: str = "qwen25"
+    """Tool-call format, a name known to SGLang's FunctionCallParser ("qwen25", "hermes", ...)."""
+    tool_config_path: str | None = None
+    """YAML of the tools (verl format); None: no tools."""
+    interaction_config_path: str | None = None
+    """YAML of the interactions (verl format); None: no interactions."""
+
+    def __post_init__(self) -> None:
+        p = "actor_rollout_ref.rollout.multi_turn"
+        for key in ("max_assistant_turns", "max_parallel_calls", "max_tool_response_length"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{p}.{key} is {getattr(self, key)}; it must be >= 1")
+        if self.max_user_turns < 0:
+            raise ValueError(f"{p}.max_user_turns is {self.max_user_turns}; it must be >= 0")
+        if self.tool_response_truncate_side not in TRUNCATE_SIDES:
+            raise ValueError(f"{p}.tool_response_truncate_side={self.tool_response_truncate_side!r}; "
+                             f"use one of {TRUNCATE_SIDES}")
+        if self.format not in TOOL_CALL_FORMATS:
+            raise ValueError(f"{p}.format={self.format!r} is not a SGLang tool-call parser; "
+                             f"use one of {TOOL_CALL_FORMATS}")
+
+
+@dataclass
+class RolloutConfig:
+    """`actor_rollout_ref.rollout.*`: the SGLang engines and the agent loop."""
+
+    name: str = "sglang"
+    """The inference engine; polyturn drives SGLang only."""
+    n: int = 1
+    """Samples per prompt (the GRPO group size)."""
+    response_length: int = 512
+    """Most response tokens per trajectory (sampled + tool + user + template tokens); the YAML sets it to
+    data.max_response_length, as verl does."""
+    max_model_len: int | None = None
+    """Most prompt + response tokens (the engine's context); None: only `response_length` limits."""
+    temperature: float = 1.0
+    """Sampling temperature (the actor divides its logits by it too, so log-probs match)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Top-k sampling; -1 disables it."""
+    num_engines: int = 1
+    """SGLang engines the agent loop routes over."""
+    tensor_model_parallel_size: int = 1
+    """GPUs per engine (SGLang tp_size)."""
+    dtype: str = "bfloat16"
+    """Engine weights dtype ("float32" for exact comparisons on CPU)."""
+    gpu_memory_utilization: float = 0.5
+    """SGLang mem_fraction_static."""
+    max_total_tokens: int | None = None
+    """KV-cache size in tokens; None: SGLang sizes it (always set it on CPU)."""
+    update_weights_bucket_megabytes: int = 512
+    """Weight-sync bucket size."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn limits, tool-call format and plug-in configs."""
+
+    def __post_init__(self) -> None:
+        p = "actor_rollout_ref.rollout"
+        if isinstance(self.multi_turn, dict):
+            self.multi_turn = MultiTurnConfig(**self.multi_turn)
+        if self.name != "sglang":
+            raise ValueError(f"{p}.name is {self.name!r}; polyturn drives SGLang only: use sglang")
+        for key in ("n", "response_length", "num_engines", "tensor_model_parallel_size", "update_weights_bucket_megabytes"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{p}.{key} is {getattr(self, key)}; it must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"{p}.max_model_len is {self.max_model_len}; it must be >= 2 (or null)")
+        if self.temperature < 0:
+            raise ValueError(f"{p}.temperature is {self.temperature}; it must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"{p}.top_p is {self.top_p}; it must lie in (0, 1]")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"{p}.gpu_memory_utilization is {self.gpu_memory_utilization}; it must lie in (0, 1]")

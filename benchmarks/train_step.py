@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_workers import cpu_compat
+
 logger = logging.getLogger(__name__)
 
 
@@ -93,12 +95,11 @@ def run(model_dir: Path, batch: dict[str, torch.Tensor], repeats: int, threads: 
     """Median step seconds of both sides: a one-rank Megatron group (private Ray cluster) and PyTorch."""
     import ray
 
-    from megatron_workers.actor import MegatronActor
-    from megatron_workers.config import ActorConfig, OptimConfig
+    from megatron_workers.actor import ActorConfig, MegatronActor, OptimConfig
     from megatron_workers.worker_group import MegatronWorkerGroup, ParallelLayout
 
     B = batch["input_ids"].shape[0]
-    cfg = ActorConfig(ppo_micro_batch_size_per_gpu=B, optim=OptimConfig(lr=1e-5, clip_grad=1.0))
+    cfg = ActorConfig(micro_batch_size=B, optim=OptimConfig(lr=1e-5, clip_grad=1.0))
     ray.init(num_cpus=max(threads, 1), include_dashboard=False, log_to_driver=False)
     try:
         # Both thread pools: the group's CPU default (1) for MKL would leave its matmuls single-threaded.
@@ -129,6 +130,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
+    cpu_compat.apply_cpu_compat()  # this process's start (it imports the Megatron worker classes)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
     os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="polyturn-bench-ray-"))

@@ -14,6 +14,9 @@ The last stdout line is JSON: {"tp", "pp", "max_abs_logit_diff", "max_abs_logpro
 "roundtrip_exact"} (plus "error" when the check could not run). Exit status: 0 when both diffs
 are <= the tolerance and the round trip is exact, 1 when not, 2 when the check could not run.
 Details of any mismatch go to stderr.
+
+The CLI and every spawned rank start with `cpu_compat.apply_cpu_compat()`, so the modules that
+import megatron (`megatron_workers.model`, `.parallel`) are imported inside the functions here.
 """
 from __future__ import annotations
 
@@ -26,14 +29,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_workers import cpu_compat  # noqa: F401  (stand-ins before megatron)
+import torch
+import torch.multiprocessing as mp
 
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-from megatron_workers import model as conversion  # noqa: E402
-from megatron_workers import parallel  # noqa: E402
-from megatron_workers.ports import free_port  # noqa: E402
+from megatron_workers import cpu_compat
+from megatron_workers.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,8 @@ def _megatron_forward(model: torch.nn.Module, batch: ParityBatch) -> dict[str, t
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_workers import model as conversion
+
     device = next(model.parameters()).device
     ids = batch.input_ids.to(device)  # (B, T)
     bsz, length = ids.shape
@@ -132,6 +134,8 @@ def _roundtrip_mismatches(
     original: dict[str, torch.Tensor], exported: dict[str, torch.Tensor], hf_config: Any
 ) -> list[str]:
     """Names of tensors that the HF -> Megatron -> HF round trip lost, added or changed."""
+    from megatron_workers import model as conversion
+
     expected = set(conversion.hf_tensor_shapes(hf_config))
     problems = [f"round trip: {n} missing from the export" for n in sorted(expected - set(exported))]
     problems += [f"round trip: unexpected tensor {n} in the export" for n in sorted(set(exported) - expected)]
@@ -148,9 +152,14 @@ def _worker(
     batch: ParityBatch, out_dir: str,
 ) -> None:
     """One Megatron rank: load shards, forward the batch, export, write results to out_dir."""
+    backend = cpu_compat.apply_cpu_compat()  # this spawned process's start
+    from megatron.core import parallel_state
+
+    from megatron_workers import model as conversion, parallel
+
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    parallel.init_distributed(rank, world_size, "127.0.0.1", port, tp, pp, timeout_minutes=5)
+    parallel.init_distributed(rank, world_size, "127.0.0.1", port, tp, pp, backend=backend, timeout_minutes=5)
     try:
         state = conversion.load_hf_state_dict(hf_dir)
         gpt = conversion.build_gpt_model(hf_config)
@@ -158,8 +167,6 @@ def _worker(
         gpt.eval()
         result: dict[str, Any] = {}
         forward = _megatron_forward(gpt, batch)
-        from megatron.core import parallel_state
-
         if forward is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
             result.update(forward)
         exported = conversion.export_hf_state_dict(gpt, hf_config, dst_rank=0)
@@ -184,7 +191,12 @@ def _compare(name: str, ref: torch.Tensor, got: torch.Tensor, valid: torch.Tenso
 
 
 def run_parity(hf_dir: str | Path, tp: int, pp: int, seed: int = 0) -> ParityReport:
-    """Run the whole check; raises ValueError (before spawning) for a bad layout or checkpoint."""
+    """Run the whole check; raises ValueError (before spawning) for a bad layout or checkpoint.
+
+    Needs `cpu_compat.apply_cpu_compat()` at this process's start (`main` calls it).
+    """
+    from megatron_workers import model as conversion, parallel
+
     hf_config, state = conversion.load_hf_checkpoint(hf_dir)
     parallel.validate_layout(hf_config, tp, pp)
     conversion.check_hf_state_dict(state, hf_config)
@@ -218,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random test batch")
     args = parser.parse_args(argv)
+    cpu_compat.apply_cpu_compat()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     try:
         report = run_parity(args.hf, args.tp, args.pp, args.seed)

@@ -24,12 +24,10 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
 
-from megatron_workers import cpu_compat  # noqa: F401  (stand-ins before megatron)
-from megatron.core import parallel_state as mpu  # noqa: E402
-from megatron.core import tensor_parallel  # noqa: E402
-
-from megatron_workers import model as mmodel  # noqa: E402
+from megatron_workers import model as mmodel
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +56,7 @@ def rng_state() -> dict[str, Any]:
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "cuda": torch.cuda.get_rng_state(),
         "megatron_tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
 
@@ -68,8 +66,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    torch.cuda.set_rng_state(state["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
 
 

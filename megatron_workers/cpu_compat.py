@@ -2,49 +2,61 @@
 
 Megatron-Core is written for CUDA; on a machine without a GPU a handful of its assumptions
 break. `apply_cpu_compat()` patches exactly those, and nothing else in polyturn knows it may be
-running on a CPU. Measured against megatron-core 0.16.1 and torch 2.14.1 (a CUDA build):
+running on a CPU. Every process that runs Megatron code calls it once, at its start (the Megatron
+rank actor, `check_parity`'s main and its spawned ranks, the driver, benchmarks, the test
+session), before importing megatron. Measured against megatron-core 0.16.1 and torch 2.14.1
+(a CUDA build):
 
+- The import stand-ins (`flash_mla` raising ImportError instead of OSError, `sgl_kernel`) are
+  put on the import path (`cpu_standins.activate()`); importing megatron's GPT model before that
+  fails, and `megatron_workers.model` says which call is missing.
 - `torch.cuda.current_device()` is used as the device of every parameter, activation buffer and
-  P2P shape tensor. It must answer `torch.device("cpu")` (answering 0 would mean `cuda:0`).
+  P2P shape tensor. It must answer `torch.device("cpu")` (answering 0 would mean `cuda:0`);
+  polyturn's own code takes its device from it too.
 - `Tensor.cuda()` moves tensors "to the GPU" in a few places on the common path (the tied
   embedding copy on the last pipeline stage, the optimizer's state loading); without a GPU it
   returns the tensor as it is (on a machine without a GPU it could only have raised).
 - `torch.cuda.synchronize()` guards batched P2P ops in the pipeline schedule; on CPU there is
-  nothing to wait for, so it becomes a no-op.
+  nothing to wait for, so it becomes a no-op. `torch.cuda.get_rng_state()` answers an empty
+  state and `set_rng_state` ignores it (there is no CUDA generator to save or restore).
 - The pipeline schedules (token counters), the optimizer (`FP32Optimizer._scale`, overflow
   buffers), the grad-norm code in `clip_grads` and `megatron.core.utils` allocate tensors with
   `device="cuda"`; they are created on the CPU instead, only inside those modules, through a view
-  of `torch` whose `zeros/ones/empty/full/tensor/arange` map a CUDA device to the CPU.
+  of `torch` whose `zeros/ones/empty/full/tensor/arange` map a CUDA device to the CPU. The view
+  is installed when each module is imported (an import hook), so the call itself stays cheap.
 - `clip_grad_by_total_norm_fp32` asserts `torch.cuda.FloatTensor` grads; the optimizer gets a
   version with the same math (scale every grad by max_norm / (total_norm + 1e-6) when below 1)
   that accepts CPU grads.
+- Megatron's distributed optimizer checks `param.type() == "torch.cuda.FloatTensor"` in many
+  places; it is not adapted: `distributed_optimizer_supported()` says False on CPU and the actor
+  then builds Megatron's plain optimizer.
 
-The import stand-ins (`flash_mla` raising ImportError instead of OSError, `sgl_kernel`) are put
-on the import path by `cpu_standins.activate()`, called when this module is imported, i.e. before
-anything in `megatron_workers` imports megatron. With a GPU present, both do nothing.
+With a GPU present, `apply_cpu_compat()` changes nothing and answers "nccl".
 """
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.machinery
 import logging
+import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 import cpu_standins
-
-cpu_standins.activate()
-
-import torch  # noqa: E402  (must follow the stand-ins)
 
 logger = logging.getLogger(__name__)
 
 _MARK = "_polyturn_cpu_compat"
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
+_OPTIMIZER_MODULE = "megatron.core.optimizer.optimizer"
 # Modules that create tensors with device="cuda" on the CPU-reachable path (megatron-core 0.16.1).
 _CUDA_FACTORY_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
-    "megatron.core.optimizer.optimizer",
+    _OPTIMIZER_MODULE,
     "megatron.core.optimizer.clip_grads",
     "megatron.core.utils",
 )
@@ -54,7 +66,15 @@ def _cpu_device(*_args: Any, **_kwargs: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _noop(*_args: Any, **_kwargs: Any) -> None:
+def _no_sync(*_args: Any, **_kwargs: Any) -> None:
+    return None
+
+
+def _no_rng_state(*_args: Any, **_kwargs: Any) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)  # (0,) uint8: there is no CUDA generator
+
+
+def _ignore_rng_state(*_args: Any, **_kwargs: Any) -> None:
     return None
 
 
@@ -96,31 +116,69 @@ def _torch_view_on_cpu() -> types.ModuleType:
     return view
 
 
-def apply_cpu_compat() -> bool:
-    """Adapt Megatron-Core to CPU + gloo when no GPU is present; idempotent.
+def _adapt_module(module: types.ModuleType) -> None:
+    """Give one of `_CUDA_FACTORY_MODULES` its CPU view of torch (and the optimizer its clip)."""
+    if not getattr(module.torch, _MARK, False):
+        module.torch = _torch_view_on_cpu()
+    if module.__name__ == _OPTIMIZER_MODULE:
+        module.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
 
-    Returns True when the CPU adaptations are active (applied now or before), False with a GPU.
-    Call it before building models or running a pipeline schedule (`megatron_workers.parallel`
-    calls it from `init_distributed`).
+
+class _AdaptingLoader(importlib.abc.Loader):
+    """Runs the real loader, then `_adapt_module` on the fresh module."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self._loader.exec_module(module)
+        _adapt_module(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, is_package, ... of the real loader
+        return getattr(self._loader, name)
+
+
+class _AdaptOnImport(importlib.abc.MetaPathFinder):
+    """Meta-path finder that adapts `_CUDA_FACTORY_MODULES` as they are imported."""
+
+    def find_spec(self, name: str, path: Sequence[str] | None, target: Any = None) -> Any:
+        if name not in _CUDA_FACTORY_MODULES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _AdaptingLoader(spec.loader)
+        return spec
+
+
+def apply_cpu_compat() -> str:
+    """Adapt Megatron-Core to CPU + gloo when no GPU is present; idempotent; call it at a process's
+    start, before importing megatron.
+
+    Returns the torch.distributed backend for this machine: "gloo" when the CPU adaptations are
+    active (applied now or before), "nccl" with a GPU (then nothing is changed).
     """
-    if cpu_standins.gpu_present():
-        return False
+    if not cpu_standins.activate():
+        return "nccl"
     if getattr(torch.cuda.current_device, _MARK, False):
-        return True
+        return "gloo"
     current_device = _cpu_device
     setattr(current_device, _MARK, True)
     torch.cuda.current_device = current_device  # type: ignore[assignment]
-    torch.cuda.synchronize = _noop  # type: ignore[assignment]
+    torch.cuda.synchronize = _no_sync  # type: ignore[assignment]
+    torch.cuda.get_rng_state = _no_rng_state  # type: ignore[assignment]
+    torch.cuda.set_rng_state = _ignore_rng_state  # type: ignore[assignment]
     torch.Tensor.cuda = _tensor_stays  # type: ignore[method-assign]
-
-    import importlib
-
     for name in _CUDA_FACTORY_MODULES:
-        module = importlib.import_module(name)
-        if not getattr(module.torch, _MARK, False):
-            module.torch = _torch_view_on_cpu()
-    from megatron.core.optimizer import optimizer
-
-    optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+        if name in sys.modules:
+            _adapt_module(sys.modules[name])
+    sys.meta_path.insert(0, _AdaptOnImport())
     logger.info("megatron-core adapted to CPU + gloo (no GPU present)")
-    return True
+    return "gloo"
+
+
+def distributed_optimizer_supported() -> bool:
+    """Whether Megatron's distributed optimizer can run here (its buffers and type checks need CUDA)."""
+    return not getattr(torch.cuda.current_device, _MARK, False)

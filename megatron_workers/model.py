@@ -28,15 +28,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from megatron_workers import cpu_compat  # noqa: F401  (stand-ins before megatron)
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import unwrap_model
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-from megatron.core.utils import unwrap_model  # noqa: E402
+try:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+except OSError as exc:  # megatron-core's attention imports flash_mla, which needs libcuda
+    raise ImportError(
+        f"megatron-core's GPT model could not be imported ({exc}); on a machine without a GPU call "
+        "megatron_workers.cpu_compat.apply_cpu_compat() at the process's start, before importing "
+        "megatron_workers.model"
+    ) from exc
 
 logger = logging.getLogger(__name__)
 

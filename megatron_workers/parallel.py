@@ -3,7 +3,7 @@
 `validate_layout` runs in the driver, before any process starts, so that a layout the model
 cannot take (TP not dividing the attention heads, PP not dividing the layers, ...) is refused
 with the field and the fix instead of failing in every worker. `init_distributed` is what each
-rank calls first: torch.distributed (NCCL with a GPU, gloo without), Megatron's model-parallel
+rank calls first: torch.distributed (the backend the CPU adapter answered), Megatron's model-parallel
 groups, and its RNG tracker.
 
 Departure from Megatron-LM's `initialize_megatron`: no argument namespace, no data parallel
@@ -18,12 +18,10 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from megatron_workers import cpu_compat  # noqa: F401  (stand-ins before megatron)
+import torch
+from megatron.core import parallel_state, tensor_parallel
 
-import torch  # noqa: E402
-from megatron.core import parallel_state, tensor_parallel  # noqa: E402
-
-from megatron_workers.model import read_decoder_shape  # noqa: E402
+from megatron_workers.model import read_decoder_shape
 
 logger = logging.getLogger(__name__)
 
@@ -65,24 +63,23 @@ def init_distributed(
     master_port: int,
     tp: int,
     pp: int,
-    backend: str | None = None,
+    backend: str = "nccl",
     seed: int = 1234,
     timeout_minutes: int = 30,
 ) -> None:
     """Initialise torch.distributed and Megatron's TP/PP/DP groups for this rank.
 
-    backend: None picks "nccl" with a GPU and "gloo" without. world_size must be a multiple of
-    tp * pp (the rest is data parallel). Seeds torch and Megatron's RNG tracker with `seed`.
+    backend: the torch.distributed backend, as `cpu_compat.apply_cpu_compat()` answered at the
+    process's start ("nccl", which also binds the rank to a local GPU, or "gloo"). world_size must
+    be a multiple of tp * pp (the rest is data parallel). Seeds torch and Megatron's RNG tracker
+    with `seed`.
     """
     if world_size % (tp * pp):
         raise ValueError(
             f"world_size={world_size} is not a multiple of tp*pp={tp * pp}; "
             "start tp*pp*dp processes"
         )
-    on_cpu = cpu_compat.apply_cpu_compat()
-    if backend is None:
-        backend = "gloo" if on_cpu else "nccl"
-    if not on_cpu:
+    if backend == "nccl":  # NCCL works on the process's current CUDA device
         torch.cuda.set_device(rank % torch.cuda.device_count())
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(

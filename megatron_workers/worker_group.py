@@ -35,6 +35,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import cpu_standins
+from megatron_workers import cpu_compat
 from megatron_workers.ports import free_port
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class RankWorker:
         self.rank = rank
         self.world_size = world_size
         self.role: Any = None
+        self.backend = cpu_compat.apply_cpu_compat()  # this process's start: the CPU adapter, once
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the rendezvous."""
@@ -92,7 +94,7 @@ class RankWorker:
         from megatron_workers import parallel
 
         parallel.init_distributed(
-            self.rank, self.world_size, master_addr, master_port, tp, pp, seed=seed
+            self.rank, self.world_size, master_addr, master_port, tp, pp, backend=self.backend, seed=seed
         )
         return RankInfo(
             rank=self.rank,

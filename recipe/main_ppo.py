@@ -12,7 +12,6 @@ weights reach them from the actor group as HF-named tensor buckets.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from megatron_workers import cpu_compat
 from recipe.config_schema import PPOConfig, is_hub_id
 from recipe.data.dataset import PromptBatch, RLDataset
 from recipe.tracking import Tracking
@@ -66,16 +66,15 @@ def build_workers(cfg: PPOConfig, model_path: str) -> Workers:
     layout = ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size, dp=cfg.dp_size)
     hf_config = AutoConfig.from_pretrained(model_path)
 
-    def group(role: type, role_cfg, **kwargs) -> MegatronWorkerGroup:
+    def group(role: type, role_cfg) -> MegatronWorkerGroup:
         g = MegatronWorkerGroup(layout, hf_config=hf_config, seed=cfg.trainer.seed)
-        g.build(functools.partial(role, model_path, role_cfg, **kwargs))
+        g.build(functools.partial(role, model_path, role_cfg))
         return g
 
-    temperature = ar.rollout.temperature
-    actor = group(MegatronActor, ar.actor, temperature=temperature)
-    ref = group(MegatronActor, dataclasses.replace(ar.actor, optim=None), temperature=temperature) \
+    actor = group(MegatronActor, ar.actor.worker_config(ar.rollout.temperature))
+    ref = group(MegatronActor, ar.actor.worker_config(ar.rollout.temperature, with_optimizer=False)) \
         if cfg.use_reference else None
-    critic = group(MegatronCritic, cfg.critic) if cfg.use_critic else None
+    critic = group(MegatronCritic, cfg.critic.worker_config()) if cfg.use_critic else None
     r = ar.rollout
     engines = [
         SGLangEngine(model_path, name=f"engine{i}", dtype=r.dtype, tp_size=r.tensor_model_parallel_size,
@@ -104,7 +103,8 @@ def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Ite
     logger.info("data: %d prompts from %s", len(dataset), cfg.data.train_files)
     start_ray(cfg)
     workers = build_workers(cfg, path)
-    loop = AgentLoop(workers.engines, tokenizer, cfg.actor_rollout_ref.rollout, tools=tools, interactions=interactions)
+    loop = AgentLoop(workers.engines, tokenizer, cfg.actor_rollout_ref.rollout.agent_loop_config(
+        cfg.data.max_response_length), tools=tools, interactions=interactions)
     t = cfg.trainer
     tracker = Tracking(t.logger, t.project_name, t.experiment_name, t.default_local_dir, config=config_dict)
     batches = dataset.batches(cfg.data.train_batch_size, seed=t.seed, shuffle=cfg.data.shuffle)
@@ -128,6 +128,7 @@ def run(cfg: PPOConfig, config_dict: dict | None = None) -> None:
 @hydra.main(config_path="config", config_name="ppo_trainer", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """Hydra entry: validate the config, then `run`."""
+    cpu_compat.apply_cpu_compat()  # this process's start (it imports the Megatron worker classes)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     config_dict = OmegaConf.to_container(cfg, resolve=True)
     run(PPOConfig.from_dict(config_dict), config_dict)

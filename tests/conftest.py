@@ -23,6 +23,22 @@ STANDIN_LOG = _SCRATCH / "standin_events.log"
 os.environ["POLYTURN_STANDIN_LOG"] = str(STANDIN_LOG)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The test session's process start: the CPU adapter (no-op with a GPU), once, before any test
+    module imports megatron."""
+    from megatron_workers import cpu_compat
+
+    cpu_compat.apply_cpu_compat()
+
+
+@pytest.fixture(scope="session")
+def dist_backend() -> str:
+    """The torch.distributed backend for Megatron ranks in this process ("gloo" without a GPU)."""
+    from megatron_workers import cpu_compat
+
+    return cpu_compat.apply_cpu_compat()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """An HF-format Qwen2-architecture checkpoint + tokenizer with a tool-aware chat template."""

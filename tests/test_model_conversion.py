@@ -39,9 +39,9 @@ def write_hf_checkpoint(out_dir: Path, *, tied: bool, family: str = "qwen2", see
 
 
 @pytest.fixture(scope="module")
-def world_of_one():
-    """torch.distributed + Megatron groups for a single gloo rank, torn down after the module."""
-    parallel.init_distributed(0, 1, "127.0.0.1", free_port(), tp=1, pp=1, seed=0)
+def world_of_one(dist_backend):
+    """torch.distributed + Megatron groups for a single rank, torn down after the module."""
+    parallel.init_distributed(0, 1, "127.0.0.1", free_port(), tp=1, pp=1, backend=dist_backend, seed=0)
     yield
     parallel.destroy()
 

@@ -95,11 +95,12 @@ def run(model_dir: Path, batch: dict[str, torch.Tensor], repeats: int, threads: 
     """Median step seconds of both sides: a one-rank Megatron group (private Ray cluster) and PyTorch."""
     import ray
 
-    from megatron_workers.actor import ActorConfig, MegatronActor, OptimConfig
+    from megatron_workers.actor import MegatronActor
+    from megatron_workers.config import ActorConfig, OptimConfig
     from megatron_workers.worker_group import MegatronWorkerGroup, ParallelLayout
 
     B = batch["input_ids"].shape[0]
-    cfg = ActorConfig(micro_batch_size=B, optim=OptimConfig(lr=1e-5, clip_grad=1.0))
+    cfg = ActorConfig(ppo_micro_batch_size_per_gpu=B, optim=OptimConfig(lr=1e-5, clip_grad=1.0))
     ray.init(num_cpus=max(threads, 1), include_dashboard=False, log_to_driver=False)
     try:
         # Both thread pools: the group's CPU default (1) for MKL would leave its matmuls single-threaded.

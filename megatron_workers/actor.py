@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -49,6 +49,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import unwrap_model
 
 from megatron_workers import checkpoint, cpu_compat, model as mmodel
+from megatron_workers.config import ActorConfig, OptimConfig, WorkerConfig
 from megatron_workers.logprobs import vocab_parallel_logprobs_entropy
 
 logger = logging.getLogger(__name__)
@@ -58,43 +59,6 @@ LossFn = Callable[[dict[str, Any]], tuple[torch.Tensor, dict[str, Any]]]
 
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")  # (B, S)
 RESPONSE_KEYS = ("responses", "response_mask")  # (B, T)
-
-
-@dataclass
-class OptimConfig:
-    """Optimizer and LR schedule (Megatron's Adam + OptimizerParamScheduler)."""
-
-    lr: float = 1e-6  # peak learning rate
-    min_lr: float = 0.0  # floor of the decay
-    lr_warmup_init: float = 0.0  # learning rate at step 0 of the warm-up
-    lr_warmup_steps: int = 0  # optimizer steps of linear warm-up
-    lr_decay_steps: int = 1_000_000  # optimizer steps over which the LR decays to min_lr
-    lr_decay_style: str = "constant"  # constant | linear | cosine | inverse-square-root | WSD
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0  # max global grad norm (0 disables clipping)
-
-
-@dataclass
-class ActorConfig:
-    """How a rank batches and trains; sizes are per DP rank unless said otherwise."""
-
-    micro_batch_size: int = 4  # rows per micro-batch (when use_dynamic_bsz is False)
-    use_dynamic_bsz: bool = False  # pack micro-batches by token count instead of rows
-    max_token_len: int = 8192  # dynamic micro-batch budget: rows * padded window length
-    ppo_epochs: int = 1  # passes over the batch in update_policy
-    temperature: float = 1.0  # logits are divided by this before the softmax (match the rollout)
-    optim: Optional[OptimConfig] = field(default_factory=OptimConfig)  # None: reference policy
-
-    def __post_init__(self) -> None:
-        if self.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if self.use_dynamic_bsz and self.max_token_len < 1:
-            raise ValueError(f"max_token_len must be >= 1 with use_dynamic_bsz, got {self.max_token_len}")
-        if self.ppo_epochs < 1:
-            raise ValueError(f"ppo_epochs must be >= 1, got {self.ppo_epochs}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,19 +144,20 @@ def _make_micro_batch(batch: Batch, rows: torch.Tensor) -> MicroBatch:
     return MicroBatch(rows=rows, lo=lo, hi=hi, tensors=tensors, resp_len=T, seq_len=S)
 
 
-def split_micro_batches(batch: Batch, cfg: ActorConfig) -> list[MicroBatch]:
+def split_micro_batches(batch: Batch, cfg: WorkerConfig) -> list[MicroBatch]:
     """Fixed-size micro-batches in order, or (use_dynamic_bsz) packs of rows sorted by length
-    whose `rows * window length` stays within `max_token_len` (a longer single row gets its own)."""
+    whose `rows * window length` stays within `ppo_max_token_len_per_gpu` (a longer single row gets its own)."""
     B = batch["input_ids"].shape[0]
     if not cfg.use_dynamic_bsz:
-        return [_make_micro_batch(batch, torch.arange(i, min(i + cfg.micro_batch_size, B))) for i in range(0, B, cfg.micro_batch_size)]
+        size = cfg.ppo_micro_batch_size_per_gpu
+        return [_make_micro_batch(batch, torch.arange(i, min(i + size, B))) for i in range(0, B, size)]
     attention_mask, T = batch["attention_mask"], batch["responses"].shape[1]
     order = torch.argsort(attention_mask.sum(dim=1), descending=True, stable=True)
     packs: list[list[int]] = [[]]
     for i in order.tolist():
         candidate = packs[-1] + [i]
         lo, hi = _window(attention_mask[candidate], T)  # the window alone: no copy of every tensor
-        if packs[-1] and len(candidate) * (hi - lo) > cfg.max_token_len:
+        if packs[-1] and len(candidate) * (hi - lo) > cfg.ppo_max_token_len_per_gpu:
             packs.append([i])
         else:
             packs[-1] = candidate
@@ -224,7 +189,7 @@ class MegatronRunner:
     response tensors, and may override `_build_model` (the critic swaps the LM head).
     """
 
-    def __init__(self, hf_dir: str | Path, cfg: ActorConfig) -> None:
+    def __init__(self, hf_dir: str | Path, cfg: WorkerConfig) -> None:
         self.hf_dir = Path(hf_dir)
         self.cfg = cfg
         self.hf_config, hf_state = mmodel.load_hf_checkpoint(self.hf_dir)
@@ -456,12 +421,20 @@ def _finalize_grads_summed(model, num_tokens=None, **kwargs) -> None:
 
 
 class MegatronActor(MegatronRunner):
-    """Policy (or, with `cfg.optim=None`, reference) worker for one rank."""
+    """Policy (or, with `cfg.optim=None`, reference) worker for one rank.
+
+    `temperature` is the rollout's sampling temperature: logits are divided by it before the
+    softmax, so log-probs match what the engine sampled from.
+    """
+
+    def __init__(self, hf_dir: str | Path, cfg: ActorConfig, temperature: float = 1.0) -> None:
+        self.temperature = temperature
+        super().__init__(hf_dir, cfg)
 
     def _head(self, mb: MicroBatch, output: torch.Tensor) -> dict[str, torch.Tensor]:
         logits, targets, kept = self._response_slice(mb, output)  # (b, T', V/tp), (b, T')
         log_probs, entropy = vocab_parallel_logprobs_entropy(
-            logits, targets, mpu.get_tensor_model_parallel_group(), temperature=self.cfg.temperature
+            logits, targets, mpu.get_tensor_model_parallel_group(), temperature=self.temperature
         )
         return {"log_probs": log_probs, "entropy": entropy, "kept": kept}
 

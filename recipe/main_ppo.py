@@ -12,6 +12,7 @@ weights reach them from the actor group as HF-named tensor buckets.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Iterator
@@ -66,15 +67,16 @@ def build_workers(cfg: PPOConfig, model_path: str) -> Workers:
     layout = ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size, dp=cfg.dp_size)
     hf_config = AutoConfig.from_pretrained(model_path)
 
-    def group(role: type, role_cfg) -> MegatronWorkerGroup:
+    def group(role: type, role_cfg, **kwargs) -> MegatronWorkerGroup:
         g = MegatronWorkerGroup(layout, hf_config=hf_config, seed=cfg.trainer.seed)
-        g.build(functools.partial(role, model_path, role_cfg))
+        g.build(functools.partial(role, model_path, role_cfg, **kwargs))
         return g
 
-    actor = group(MegatronActor, ar.actor.worker_config(ar.rollout.temperature))
-    ref = group(MegatronActor, ar.actor.worker_config(ar.rollout.temperature, with_optimizer=False)) \
+    temperature = ar.rollout.temperature
+    actor = group(MegatronActor, ar.actor, temperature=temperature)
+    ref = group(MegatronActor, dataclasses.replace(ar.actor, optim=None), temperature=temperature) \
         if cfg.use_reference else None
-    critic = group(MegatronCritic, cfg.critic.worker_config()) if cfg.use_critic else None
+    critic = group(MegatronCritic, cfg.critic) if cfg.use_critic else None
     r = ar.rollout
     engines = [
         SGLangEngine(model_path, name=f"engine{i}", dtype=r.dtype, tp_size=r.tensor_model_parallel_size,
@@ -103,8 +105,7 @@ def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Ite
     logger.info("data: %d prompts from %s", len(dataset), cfg.data.train_files)
     start_ray(cfg)
     workers = build_workers(cfg, path)
-    loop = AgentLoop(workers.engines, tokenizer, cfg.actor_rollout_ref.rollout.agent_loop_config(
-        cfg.data.max_response_length), tools=tools, interactions=interactions)
+    loop = AgentLoop(workers.engines, tokenizer, cfg.actor_rollout_ref.rollout, tools=tools, interactions=interactions)
     t = cfg.trainer
     tracker = Tracking(t.logger, t.project_name, t.experiment_name, t.default_local_dir, config=config_dict)
     batches = dataset.batches(cfg.data.train_batch_size, seed=t.seed, shuffle=cfg.data.shuffle)

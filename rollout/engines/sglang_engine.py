@@ -3,12 +3,19 @@
 The engine's tokenizer manager binds to the first asyncio loop that talks to it, so each
 `SGLangEngine` owns a private loop in a daemon thread and every call (generation, abort, weight
 updates) is submitted to that loop. Callers may therefore use the engine from any loop or thread:
-`asyncio.run` in a test, a Ray actor, or the trainer's synchronous step between rollouts.
+`asyncio.run` in a test, or the Ray actor of `engine_actor.py` that hosts it in production.
 
-This is also the weight-sync receive side: HF-named tensors handed over in process
-(`update_weights_from_tensor`) or a checkpoint directory (`update_weights_from_disk`). Every update
-bumps `weight_version`, which each generated turn reports. (SGLang's broadcast path,
-`update_weights_from_distributed`, and memory release for colocated GPUs are not wired yet.)
+This is also the weight-sync receive side, every path inside one SGLang weight-update session
+(`begin_weight_update` ... `end_weight_update`, which SGLang 0.5.23 requires):
+
+- tensor: per-engine-TP-rank serialized payloads (`update_weights_from_serialized`): one copy per
+  TP rank, each rank deserializes its own (CUDA IPC handles on GPUs, shared-memory names on CPU);
+- distributed: `init_weights_update_group` + `update_weights_from_distributed` (the sender
+  broadcasts each bucket over a process group that the engine's TP ranks join);
+- disk: `update_weights_from_disk` (an HF checkpoint directory).
+
+`weight_checksums` is the probe behind `rollout.check_weights`: it runs `weight_probe` inside
+each scheduler process (SGLang's custom-weight-loader hook) and returns per-HF-tensor sums.
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import asyncio
 import atexit
 import contextlib
 import logging
+import tempfile
 import threading
 from collections.abc import Coroutine, Iterable
 from concurrent.futures import Future
@@ -25,6 +33,7 @@ import psutil
 import torch
 
 from rollout import sglang_cpu
+from rollout.engines import weight_probe
 from rollout.engines.base import GenerateResult
 
 logger = logging.getLogger(__name__)
@@ -39,6 +48,8 @@ class SGLangEngine:
 
     def __init__(self, model_path: str, *, name: str = "engine0", weight_version: int = 0, **engine_kwargs: Any):
         kwargs = sglang_cpu.engine_kwargs_for_this_machine(engine_kwargs)
+        kwargs["custom_weight_loader"] = [*(kwargs.get("custom_weight_loader") or []), weight_probe.LOADER]
+        self._tp_size = int(kwargs.get("tp_size", 1))
         import sglang  # after the CPU adapter: the stand-ins must be on the path first
 
         self.name = name
@@ -84,29 +95,136 @@ class SGLangEngine:
     async def abort(self, request_id: str) -> None:
         await asyncio.wrap_future(self._submit(self._abort(request_id)))
 
+    # -- control: generation and memory -------------------------------------------------------
+
+    def pause_generation(self, mode: str = "retract") -> None:
+        """Stop scheduling generation ("retract": running requests wait and resume later;
+        "abort": they end with finish_reason "abort"; "in_place": they keep their KV cache)."""
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        self._call(self._tm.pause_generation(PauseGenerationReqInput(mode=mode)))
+
+    def continue_generation(self) -> None:
+        """Resume generation after `pause_generation`."""
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+        self._call(self._tm.continue_generation(ContinueGenerationReqInput()))
+
+    def flush_cache(self) -> None:
+        """Drop the radix (prefix) cache: cached KV of old weights must not serve new requests."""
+        out = self._call(self._tm.flush_cache())
+        if not out.success:
+            raise EngineError(f"SGLang flush_cache failed: {out.message}")
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Free GPU memory ("weights", "kv_cache"; None: both) for a colocated trainer (no-op on CPU)."""
+        from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
+
+        self._call(self._tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=tags), None))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Take back the memory `release_memory_occupation` freed."""
+        from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
+
+        self._call(self._tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=tags), None))
+
     # -- control: weight sync ----------------------------------------------------------------
 
-    def update_weights_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                                   weight_version: int, flush_cache: bool = True) -> None:
-        """Load HF-named full tensors handed over in process (colocated sync)."""
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel size of this engine (one serialized payload per TP rank)."""
+        return self._tp_size
+
+    def begin_weight_update(self) -> None:
+        """Open a weight-update session (SGLang 0.5.23 loads tensor / distributed updates only inside one)."""
+        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput
+
+        _check(self._call(self._tm.begin_weight_update(BeginWeightUpdateReqInput(), None)), "begin_weight_update")
+
+    def end_weight_update(self, *, weight_version: int | None = None) -> None:
+        """Close the session; with `weight_version`, serve under that version from now on."""
+        from sglang.srt.managers.io_struct import EndWeightUpdateReqInput, UpdateWeightVersionReqInput
+
+        _check(self._call(self._tm.end_weight_update(EndWeightUpdateReqInput(), None)), "end_weight_update")
+        if weight_version is not None:
+            self._call(self._tm.update_weight_version(
+                UpdateWeightVersionReqInput(new_version=str(weight_version), abort_all_requests=False)))
+            self._weight_version = weight_version
+
+    def update_weights_from_serialized(self, payloads: list[bytes], *, load_format: str | None = None) -> None:
+        """Load one bucket: `payloads[r]` is TP rank r's serialized `[(hf_name, tensor), ...]` (inside a session)."""
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
-        from sglang.srt.utils import MultiprocessingSerializer
+
+        if len(payloads) != self._tp_size:
+            raise ValueError(f"engine {self.name} has tp_size={self._tp_size} but got {len(payloads)} payloads; "
+                             "send one serialized copy per engine TP rank")
+        req = UpdateWeightsFromTensorReqInput(serialized_named_tensors=list(payloads), load_format=load_format,
+                                              flush_cache=False)
+        _check(self._call(self._tm.update_weights_from_tensor(req, None)), "update_weights_from_tensor")
+
+    def update_weights_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                                   weight_version: int) -> None:
+        """Load HF-named full tensors held by this process, as one bucket in its own session."""
+        from multiprocessing.reduction import ForkingPickler  # torch registers its tensor reductions there
 
         tensors = list(named_tensors)
-        req = UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=[MultiprocessingSerializer.serialize(tensors)],
-            flush_cache=flush_cache, weight_version=str(weight_version),
-        )
-        self._call(self._session(self._tm.update_weights_from_tensor(req, None), "update_weights_from_tensor"))
-        self._weight_version = weight_version
+        payloads = [bytes(ForkingPickler.dumps(tensors)) for _ in range(self._tp_size)]
+        self.begin_weight_update()
+        try:
+            self.update_weights_from_serialized(payloads)
+        finally:
+            self.end_weight_update(weight_version=weight_version)
+        self.flush_cache()
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str) -> None:
+        """Join a sender's process group: this engine's TP rank r becomes rank `rank_offset + r`
+        (the sender is rank 0). Blocks until every member has joined."""
+        from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
+
+        req = InitWeightsUpdateGroupReqInput(master_address=master_address, master_port=master_port,
+                                             rank_offset=rank_offset, world_size=world_size,
+                                             group_name=group_name, backend=backend)
+        _check(self._call(self._tm.init_weights_update_group(req, None)), "init_weights_update_group")
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        """Leave a group `init_weights_update_group` joined."""
+        from sglang.srt.managers.io_struct import DestroyWeightsUpdateGroupReqInput
+
+        _check(self._call(self._tm.destroy_weights_update_group(
+            DestroyWeightsUpdateGroupReqInput(group_name=group_name), None)), "destroy_weights_update_group")
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+                                        group_name: str) -> None:
+        """Receive one bucket broadcast by rank 0 of `group_name` as one flat byte tensor (the tensors
+        back to back, in this order) and load it (inside a session)."""
+        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
+
+        req = UpdateWeightsFromDistributedReqInput(names=names, dtypes=dtypes, shapes=shapes, group_name=group_name,
+                                                   flush_cache=False, load_format="flattened_bucket")
+        _check(self._call(self._tm.update_weights_from_distributed(req, None)), "update_weights_from_distributed")
 
     def update_weights_from_disk(self, model_path: str, *, weight_version: int) -> None:
-        """Reload all weights from an HF checkpoint directory."""
+        """Reload all weights from an HF checkpoint directory (flushes the cache)."""
         from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
 
         req = UpdateWeightFromDiskReqInput(model_path=model_path, weight_version=str(weight_version))
         _check(self._call(self._tm.update_weights_from_disk(req, None)), "update_weights_from_disk")
         self._weight_version = weight_version
+
+    def weight_checksums(self) -> dict[str, list[float]]:
+        """`{hf_name: [sum, abs_sum, sum_of_squares]}` (float64) of the weights this engine serves,
+        TP shards combined (replicated copies counted once); see `weight_probe`."""
+        from multiprocessing.reduction import ForkingPickler  # torch registers its tensor reductions there
+
+        with tempfile.TemporaryDirectory(prefix=f"probe-{self.name}-") as out_dir:
+            payload = bytes(ForkingPickler.dumps([(weight_probe.probe_dir_name(out_dir), torch.zeros(1))]))
+            self.begin_weight_update()
+            try:
+                self.update_weights_from_serialized([payload] * self._tp_size, load_format=weight_probe.LOADER)
+            finally:
+                self.end_weight_update()
+            return weight_probe.combine(out_dir, self._tp_size)
 
     def shutdown(self) -> None:
         """Stop this engine's subprocesses and this client's loop thread.
@@ -142,15 +260,6 @@ class SGLangEngine:
     async def _abort(self, request_id: str) -> None:
         self._tm.abort_request(rid=request_id)
 
-    async def _session(self, update: Coroutine, what: str) -> None:
-        """SGLang 0.5.23 requires tensor / distributed updates between begin and end_weight_update."""
-        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
-
-        _check(await self._tm.begin_weight_update(BeginWeightUpdateReqInput(), None), "begin_weight_update")
-        try:
-            _check(await update, what)
-        finally:
-            _check(await self._tm.end_weight_update(EndWeightUpdateReqInput(), None), "end_weight_update")
 
 
 def _cmdline(proc: psutil.Process) -> list[str]:

@@ -1,0 +1,195 @@
+"""SGLang engines as Ray actors: `EngineActor` hosts one engine, `EngineClient` is the driver's handle.
+
+`EngineActor` is an async Ray actor: many `generate` calls run at once on its event loop (each
+awaits the engine's own loop thread, see `sglang_engine.py`), and blocking control calls (weight
+updates, cache flush, memory release) run in a worker thread so they never stall generation.
+The actor applies SGLang's CPU adapter by the one explicit call `SGLangEngine` makes at start.
+
+`EngineClient` satisfies `rollout.engines.base.RolloutEngine`, so the agent loop and the router
+talk to it as to any engine; its control methods block until the actor is done. `.handle` (the
+Ray actor handle) is plain data: the trainer hands it to Megatron ranks, which call the receive
+methods (`update_weights_from_serialized`, `update_weights_from_distributed`, ...) by name, so
+weight buckets go straight from the training ranks to the engine, never through the driver.
+
+Where it departs from verl: the driver never imports SGLang; the weight version an engine serves
+is read back from the actor after each sync, not tracked on the driver's side.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from rollout.engines.base import GenerateResult
+
+logger = logging.getLogger(__name__)
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class EngineActor:
+    """Body of the Ray actor hosting one `SGLangEngine` (its scheduler in subprocesses)."""
+
+    def __init__(self, model_path: str, name: str, weight_version: int, engine_kwargs: dict[str, Any]) -> None:
+        from rollout.engines.sglang_engine import SGLangEngine
+
+        self.engine = SGLangEngine(model_path, name=name, weight_version=weight_version, **engine_kwargs)
+        self._buckets: dict[str, tuple[dict[int, bytes], asyncio.Future]] = {}  # tensor path, partly received
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], request_id: str) -> GenerateResult:
+        return await self.engine.generate(input_ids, sampling_params, request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def state(self) -> dict[str, int]:
+        """`{"weight_version", "num_inflight", "tp_size"}`."""
+        e = self.engine
+        return {"weight_version": e.weight_version, "num_inflight": e.num_inflight, "tp_size": e.tp_size}
+
+    async def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run `SGLangEngine.<method>(*args, **kwargs)` in a worker thread (control and weight updates)."""
+        return await asyncio.to_thread(getattr(self.engine, method), *args, **kwargs)
+
+    # Receive side of weight sync, called by the Megatron sender ranks by name.
+    async def load_payload(self, bucket_key: str, tp_rank: int, payload: bytes) -> None:
+        """Tensor path: TP rank `tp_rank`'s serialized copy of bucket `bucket_key`. The bucket is loaded
+        once every TP rank's copy has arrived (they may come from different sender ranks); every
+        caller returns when it is loaded, so senders keep their tensors alive until then."""
+        parts, done = self._buckets.setdefault(bucket_key, ({}, asyncio.get_running_loop().create_future()))
+        parts[tp_rank] = payload
+        if len(parts) == self.engine.tp_size:
+            del self._buckets[bucket_key]
+            try:
+                await self.call("update_weights_from_serialized", [parts[r] for r in range(self.engine.tp_size)])
+                done.set_result(None)
+            except Exception as e:  # noqa: BLE001 - every waiting sender gets the engine's error
+                done.set_exception(e)
+        await asyncio.shield(done)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              *, group_name: str) -> None:
+        """Distributed path: receive one flat bucket broadcast by the sender (rank 0 of `group_name`)."""
+        await self.call("update_weights_from_distributed", names, dtypes, shapes, group_name=group_name)
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self.engine.shutdown)
+
+
+def engine_runtime_env(ray_options: dict[str, Any]) -> dict[str, Any]:
+    """`ray_options["runtime_env"]` plus what an engine process needs: the repo (and, without a GPU,
+    the CPU import stand-ins, which `cpu_standins.activate()` put on this process's PYTHONPATH) on
+    PYTHONPATH, so the actor and SGLang's subprocesses import them first."""
+    import cpu_standins
+
+    cpu_standins.activate()
+    env = dict(ray_options.get("runtime_env") or {})
+    env_vars = dict(env.get("env_vars") or {})
+    parts = [str(_REPO_ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep), env_vars.get("PYTHONPATH", "")]
+    env_vars["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in parts if p))
+    if "POLYTURN_STANDIN_LOG" in os.environ:
+        env_vars.setdefault("POLYTURN_STANDIN_LOG", os.environ["POLYTURN_STANDIN_LOG"])
+    env["env_vars"] = env_vars
+    return env
+
+
+class EngineClient:
+    """Driver-side handle of one engine actor; a `RolloutEngine`."""
+
+    def __init__(self, name: str, handle: Any, state: dict[str, int]) -> None:
+        self.name = name
+        self.handle = handle  # the Ray actor handle: plain data for the Megatron sender ranks
+        self.tp_size = state["tp_size"]
+        self._weight_version = state["weight_version"]
+        self._inflight = 0
+
+    @classmethod
+    def launch(cls, model_path: str, *, name: str, ray_options: dict[str, Any] | None = None,
+               weight_version: int = 0, ready_timeout_s: float = 600.0, **engine_kwargs: Any) -> EngineClient:
+        """Start a Ray actor hosting one SGLang engine and wait until it serves.
+
+        `ray_options` go to `.options(...)` (placement from the plan: scheduling_strategy, num_cpus,
+        num_gpus, resources, runtime_env); `engine_kwargs` are `sglang.Engine` kwargs (tp_size,
+        base_gpu_id, dtype, max_total_tokens, random_seed, ...).
+        """
+        opts = dict(ray_options or {})
+        opts["runtime_env"] = engine_runtime_env(opts)
+        opts.setdefault("num_cpus", 0)
+        opts.setdefault("max_concurrency", 1000)  # concurrent generate calls on the actor's event loop
+        handle = ray.remote(EngineActor).options(**opts).remote(model_path, name, weight_version, engine_kwargs)
+        try:
+            state = ray.get(handle.state.remote(), timeout=ready_timeout_s)
+        except Exception:
+            ray.kill(handle)
+            raise
+        logger.info("engine %s ready (tp_size=%d)", name, state["tp_size"])
+        return cls(name, handle, state)
+
+    # -- the RolloutEngine seam ---------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    @property
+    def num_inflight(self) -> int:
+        return self._inflight
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], request_id: str) -> GenerateResult:
+        self._inflight += 1
+        try:
+            return await self.handle.generate.remote(list(input_ids), dict(sampling_params), request_id)
+        finally:
+            self._inflight -= 1
+
+    async def abort(self, request_id: str) -> None:
+        await self.handle.abort.remote(request_id)
+
+    # -- control (blocking) ---------------------------------------------------------------------
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`SGLangEngine.<method>` on the actor; blocks until done."""
+        return ray.get(self.handle.call.remote(method, *args, **kwargs))
+
+    def refresh(self) -> int:
+        """Read the served weight version back from the actor (after a sync driven by the senders)."""
+        self._weight_version = ray.get(self.handle.state.remote())["weight_version"]
+        return self._weight_version
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.call("release_memory_occupation", tags)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self.call("resume_memory_occupation", tags)
+
+    def pause_generation(self, mode: str = "retract") -> None:
+        self.call("pause_generation", mode)
+
+    def continue_generation(self) -> None:
+        self.call("continue_generation")
+
+    def flush_cache(self) -> None:
+        self.call("flush_cache")
+
+    def update_weights_from_disk(self, path: str, *, weight_version: int) -> None:
+        self.call("update_weights_from_disk", path, weight_version=weight_version)
+        self.refresh()
+
+    def weight_checksums(self) -> dict[str, list[float]]:
+        """Per-HF-tensor [sum, abs_sum, sum_of_squares] of the served weights (see `weight_probe`)."""
+        return self.call("weight_checksums")
+
+    def shutdown(self) -> None:
+        """Stop the engine's subprocesses, then the actor."""
+        try:
+            ray.get(self.handle.shutdown.remote(), timeout=120)
+        except Exception:  # noqa: BLE001 - a dead actor has nothing left to stop; kill it below
+            logger.warning("engine %s did not shut down cleanly", self.name, exc_info=True)
+        ray.kill(self.handle)

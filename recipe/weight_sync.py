@@ -1,0 +1,171 @@
+"""One weight sync, Megatron actor -> every rollout engine, orchestrated from the driver with plain data.
+
+The driver only sends small control messages: it opens a weight-update session on every
+engine, asks the actor ranks to stream their weights (`MegatronActor.send_weights`; buckets go
+straight from the training ranks to the engine actors, see `megatron_workers.weights`), closes
+the sessions under the new version, and flushes the engines' prefix caches. Paths:
+
+- "tensor": serialized handles per engine TP rank (colocated / hybrid placement);
+- "distributed": a broadcast over a process group per pipeline stage that every engine TP rank
+  joins (separate placement, or across nodes); the groups are made once, on the first sync;
+- "disk": the actor writes an HF checkpoint that every engine reloads (fallback and baseline;
+  the directory must be reachable from the engines' nodes).
+
+With `check=True`, every sync ends with a probe: the senders' float64 sum / abs-sum / sum of
+squares of each HF tensor they sent against the same statistics of what each engine serves
+(`rollout.engines.weight_probe`); a mismatch raises `WeightSyncError` naming the engine and the
+tensors, so the trainer stops before it samples from a wrong policy.
+"""
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import ray
+
+from rollout.engines.engine_actor import EngineClient
+from rollout.engines.weight_probe import mismatches
+
+logger = logging.getLogger(__name__)
+
+MODES = ("tensor", "distributed", "disk")
+
+
+class WeightSyncError(RuntimeError):
+    """An engine serves weights that differ from the trainer's after a sync."""
+
+
+class WeightSync:
+    """Syncs `actor_group`'s weights into `engines` (EngineClient handles)."""
+
+    def __init__(self, actor_group: Any, engines: list[EngineClient], *, mode: str, bucket_bytes: int,
+                 engine_dtype: str, check: bool, tensor_senders: list[list[int]] | None = None,
+                 disk_dir: str | None = None) -> None:
+        """`tensor_senders[i][r]`: global Megatron rank whose TP position serializes engine i's TP rank r
+        copy in every pipeline stage (None: TP rank 0 serializes all). `disk_dir`: where the disk path
+        writes its checkpoint (default: a fresh temp dir)."""
+        if mode not in MODES:
+            raise ValueError(f"rollout.update_weights_mode={mode!r} is not one of {MODES}")
+        if not engines:
+            raise ValueError("WeightSync needs at least one engine (rollout.num_engines >= 1)")
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1; raise rollout.update_weights_bucket_megabytes")
+        self.group, self.engines, self.mode = actor_group, list(engines), mode
+        self.bucket_bytes, self.engine_dtype, self.check = bucket_bytes, engine_dtype, check
+        self.serializers = self._serializers(tensor_senders)
+        self.disk_dir = disk_dir
+        self._groups: dict[int, str] | None = None  # distributed path: group name per pipeline stage
+
+    def _serializers(self, tensor_senders: list[list[int]] | None) -> dict[int, list[list[int]]]:
+        """{megatron TP rank: [[engine index, engine TP rank], ...]} for the tensor path."""
+        if tensor_senders is None:
+            return {0: [[i, r] for i, e in enumerate(self.engines) for r in range(e.tp_size)]}
+        if len(tensor_senders) != len(self.engines):
+            raise ValueError(f"tensor_senders has {len(tensor_senders)} entries for {len(self.engines)} engines")
+        tp_of = {info.rank: info.tp_rank for info in self.group.ranks}
+        out: dict[int, list[list[int]]] = {}
+        for i, (engine, ranks) in enumerate(zip(self.engines, tensor_senders)):
+            if len(ranks) != engine.tp_size:
+                raise ValueError(f"tensor_senders[{i}] lists {len(ranks)} ranks for engine {engine.name} "
+                                 f"with tp_size={engine.tp_size}")
+            for r, g in enumerate(ranks):
+                if g not in tp_of:
+                    raise ValueError(f"tensor_senders[{i}][{r}]={g} is not a rank of the actor group")
+                out.setdefault(tp_of[g], []).append([i, r])
+        return out
+
+    def _each_engine(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return ray.get([e.handle.call.remote(method, *args, **kwargs) for e in self.engines])
+
+    def _ensure_groups(self) -> dict[int, str]:
+        """Distributed path, once: one group per pipeline stage, its sender at rank 0, then the engines."""
+        if self._groups is not None:
+            return self._groups
+        endpoints = [p for p in self.group.call_all("weight_sync_endpoint") if p]
+        world = 1 + sum(e.tp_size for e in self.engines)
+        offsets = [1 + sum(e.tp_size for e in self.engines[:i]) for i in range(len(self.engines))]
+        tag = uuid.uuid4().hex[:8]
+        groups = {p["stage"]: {**p, "world_size": world, "group_name": f"polyturn-wsync-{tag}-stage{p['stage']}"}
+                  for p in endpoints}
+        joins = [e.handle.call.remote("init_weights_update_group", g["address"], g["port"], off, world,
+                                      g["group_name"], g["backend"])
+                 for g in groups.values() for e, off in zip(self.engines, offsets)]
+        self.group.call_all("init_weight_sync_groups", groups)
+        ray.get(joins)
+        self._groups = {s: g["group_name"] for s, g in groups.items()}
+        logger.info("weight sync: %d process group(s) of %d ranks (%s)", len(groups), world,
+                    ", ".join(f"stage {s} at {g['address']}:{g['port']}" for s, g in groups.items()))
+        return self._groups
+
+    def sync(self, version: int) -> dict[str, float]:
+        """Push the actor's weights into every engine under `version`; returns `weight_sync/*` metrics.
+
+        Raises WeightSyncError (with check=True) naming any engine tensor that differs from the sender's.
+        """
+        t0 = time.perf_counter()
+        plan = {"bucket_bytes": self.bucket_bytes, "dtype": self.engine_dtype, "checksums": self.check,
+                "key": f"v{version}-{uuid.uuid4().hex[:8]}", "engines": [e.handle for e in self.engines]}
+        if self.mode == "disk":
+            path = self.disk_dir or tempfile.mkdtemp(prefix="polyturn-wsync-")
+            self.group.call_all("export_hf", path)
+            t_send = time.perf_counter()
+            self._each_engine("update_weights_from_disk", path, weight_version=version)
+            results = self.group.call_all("send_weights", {**plan, "mode": "stats"}) if self.check else []
+            send_s = time.perf_counter() - t_send
+        else:
+            if self.mode == "distributed":
+                plan["groups"] = self._ensure_groups()
+            else:
+                plan["serializers"] = self.serializers
+            self._each_engine("begin_weight_update")
+            t_send = time.perf_counter()
+            try:
+                results = self.group.call_all("send_weights", {**plan, "mode": self.mode})
+            except BaseException:
+                self._each_engine("end_weight_update")  # close the session; the version stays the old one
+                raise
+            send_s = time.perf_counter() - t_send
+            self._each_engine("end_weight_update", weight_version=version)
+            self._each_engine("flush_cache")
+        for e in self.engines:
+            e.refresh()
+        stale = [e.name for e in self.engines if e.weight_version != version]
+        if stale:
+            raise WeightSyncError(f"engines {stale} do not serve weight version {version} after the sync")
+        sent = [r for r in results if r]
+        metrics = {
+            "weight_sync/seconds": time.perf_counter() - t0,
+            "weight_sync/send_seconds": send_s,
+            "weight_sync/bytes": float(sum(r["bytes"] for r in sent)),
+            "weight_sync/buckets": float(sum(r["buckets"] for r in sent)),
+            "weight_sync/peak_extra_mb": max((r["peak_extra_bytes"] for r in sent), default=0.0) / 2**20,
+        }
+        if self.check:
+            t_check = time.perf_counter()
+            expected = {k: v for r in sent for k, v in r["stats"].items()}
+            self.verify(expected)
+            metrics["weight_sync/check_seconds"] = time.perf_counter() - t_check
+        return metrics
+
+    def verify(self, expected: dict[str, list[float]]) -> None:
+        """Compare every engine's served statistics with `expected`; raise WeightSyncError naming mismatches."""
+        for engine, served in zip(self.engines, ray.get([e.handle.call.remote("weight_checksums")
+                                                          for e in self.engines])):
+            bad = mismatches(expected, served)
+            if bad:
+                raise WeightSyncError(
+                    f"engine {engine.name} serves {len(bad)} tensor(s) that differ from the trainer's after the "
+                    f"sync (stale or corrupted): {'; '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; "
+                    "stop and check the weight-sync path (rollout.update_weights_mode)")
+
+    def close(self) -> None:
+        """Tear down the distributed path's process groups (engines and senders)."""
+        if self._groups is None:
+            return
+        for name in self._groups.values():
+            self._each_engine("destroy_weights_update_group", name)
+        self.group.call_all("destroy_weight_sync_groups")
+        self._groups = None

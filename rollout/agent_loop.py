@@ -294,12 +294,12 @@ class AgentLoop:
                     kw = traj.tools_kwargs.get(name) or {}
                     runner = self.tools.runner(name)
                     instances[name] = await stack.enter_async_context(
-                        runner.session(None, kw.get("create_kwargs") or {}, kw.get("release_kwargs") or {})
+                        runner.session(kw.get("create_kwargs") or {}, kw.get("release_kwargs") or {})
                     )
                 interaction: tuple[InteractionRunner, str] | None = None
                 if traj.interaction_kwargs:
                     runner_i = self.interactions.route(traj.interaction_kwargs)
-                    iid = await stack.enter_async_context(runner_i.session(None, **traj.interaction_kwargs))
+                    iid = await stack.enter_async_context(runner_i.session(**traj.interaction_kwargs))
                     interaction = (runner_i, iid)
                 await self._turns(traj, instances, interaction)
                 await self._final_tool_rewards(traj, instances)

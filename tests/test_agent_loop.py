@@ -306,7 +306,7 @@ def test_n_samples_per_prompt_and_per_sample_tools(tokenizer):
     assert '"name": "add"' in prompt_text["a"] and '"name": "lookup"' not in prompt_text["a"]
     assert '"name": "lookup"' in prompt_text["b"] and '"name": "add"' not in prompt_text["b"]
     assert '"name": "add"' in prompt_text["c"] and '"name": "lookup"' in prompt_text["c"]
-    assert add.create_kwargs.count({"seed": 1}) == 3
+    assert add.create_kwargs.count({"create_kwargs": {"seed": 1}}) == 3  # verl's agent-loop shape
     assert out.batch["responses"].shape[0] == 9 and len(out.metadata) == 9
 
 
@@ -405,7 +405,7 @@ def test_interaction_turns_scores_and_limits(tokenizer):
     engine = ScriptedEngine(tokenizer, lambda uid, turn: answers[turn])
     user = ScriptedUser()
     loop = _loop(tokenizer, engine, interactions=[user], multi_turn={"max_user_turns": 5})
-    out = asyncio.run(loop.generate([_prompt("i", interaction_kwargs={"name": "scripted_user", "answer": "5"})]))
+    out = asyncio.run(loop.generate([_prompt("i", interaction_kwargs={"name": "scripteduser", "answer": "5"})]))
     (traj,) = out.trajectories
     assert traj.finish_reason is FinishReason.STOP
     assert traj.interaction_scores == [0.0, 0.0, 1.0] and traj.num_user_turns == 2
@@ -415,7 +415,7 @@ def test_interaction_turns_scores_and_limits(tokenizer):
 
     engine = ScriptedEngine(tokenizer, lambda uid, turn: answers[turn])
     loop = _loop(tokenizer, engine, interactions=[user], multi_turn={"max_user_turns": 1})
-    (traj,) = asyncio.run(loop.generate([_prompt("j", interaction_kwargs={"name": "scripted_user", "answer": "5"})])).trajectories
+    (traj,) = asyncio.run(loop.generate([_prompt("j", interaction_kwargs={"name": "scripteduser", "answer": "5"})])).trajectories
     assert traj.finish_reason is FinishReason.MAX_TURNS and traj.num_user_turns == 1
     assert sorted(user.started) == sorted(user.finalized) and len(user.started) == 2
 

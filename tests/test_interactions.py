@@ -92,8 +92,8 @@ def test_user_interaction_via_yaml_full_lifecycle(tmp_path, user_module):
         )
     )
     registry = InteractionRegistry.from_config(path)
-    assert registry.names == ["echo_user"]  # default name from the class name
-    runner = registry.route({"name": "echo_user", "topic": "math"})
+    assert registry.names == ["echouser"]  # verl's default name: class name without "Interaction", lower-cased
+    runner = registry.route({"name": "echouser", "topic": "math"})
 
     async def go():
         async with runner.session(**{"topic": "math"}) as iid:
@@ -111,20 +111,22 @@ def test_user_interaction_via_yaml_full_lifecycle(tmp_path, user_module):
     assert (second.should_terminate, second.text, second.score) == (True, "you said: bye", 1.0)
     assert score == 2.0
     assert user_module.LOG == [("start", iid, {"topic": "math"}), ("finalize", iid)]
-    assert registry.counts() == {"echo_user": (1, 1)}
+    assert registry.counts() == {"echouser": (1, 1)}
 
 
 @pytest.mark.unit
 def test_name_defaults_and_single_interaction_routing(user_module):
-    """`name` defaults from the class (Gsm8kInteraction -> gsm8k); with one interaction a sample may omit the name."""
+    """`name` defaults from the class as verl derives it (Gsm8kInteraction -> gsm8k, Gsm8kTutorInteraction ->
+    gsm8ktutor); with one interaction a sample may omit the name."""
     from rollout.interactions.gsm8k import Gsm8kInteraction, Gsm8kTutorInteraction
 
-    assert Gsm8kInteraction({}).name == "gsm8k" and Gsm8kTutorInteraction({}).name == "gsm8k_tutor"
-    assert Gsm8kInteraction({"name": "grader"}).name == "grader"
+    score_fn = {"score_fn": "recipe.reward.gsm8k.compute_score"}
+    assert Gsm8kInteraction(score_fn).name == "gsm8k" and Gsm8kTutorInteraction(score_fn).name == "gsm8ktutor"
+    assert Gsm8kInteraction({"name": "grader", **score_fn}).name == "grader"
     registry = InteractionRegistry.from_config(
         {"interaction": [{"class_name": "user_interactions.EchoUserInteraction"}]}
     )
-    assert registry.route({}).name == "echo_user" and registry.route(None).name == "echo_user"
+    assert registry.route({}).name == "echouser" and registry.route(None).name == "echouser"
 
 
 @pytest.mark.unit
@@ -149,7 +151,7 @@ def test_unknown_interaction_name_refused_at_validation_with_known_names():
     [
         (
             [{"class_name": "user_interactions.NotAnInteraction"}],
-            r"interaction\[0\]\.class_name: .*not a subclass of .*BaseInteraction",
+            r"interaction\[0\]\.class_name: .*NotAnInteraction lacks \[.start_interaction.",
         ),
         ([{"class_name": "nowhere.Thing"}], r"interaction\[0\]\.class_name: cannot import module 'nowhere'"),
         (
@@ -164,7 +166,7 @@ def test_unknown_interaction_name_refused_at_validation_with_known_names():
             r"interaction\[0\]: unknown keys \['kwargs'\]",
         ),
         (
-            [{"class_name": "rollout.interactions.gsm8k.Gsm8kInteraction", "config": {"max_user_turns": 0}}],
+            [{"class_name": "rollout.interactions.gsm8k.Gsm8kInteraction", "config": {"max_user_turns": 0, "score_fn": "recipe.reward.gsm8k.compute_score"}}],
             r"interaction\[0\]: building Gsm8kInteraction failed: .*max_user_turns must be >= 1",
         ),
     ],
@@ -291,6 +293,10 @@ def test_tutor_reveals_reference_steps_in_order_and_samples_mix_interactions():
 def test_tutor_requires_reference_solution():
     """The tutor refuses a sample without interaction_kwargs.solution, naming the missing key."""
     runner = InteractionRegistry.from_config(CONFIG).route({"name": "gsm8k_tutor"})
+    async def go():
+        async with runner.session(ground_truth="72"):
+            pass
+
     with pytest.raises(ValueError, match="interaction_kwargs.solution"):
-        asyncio.run(runner.start(ground_truth="72"))
+        asyncio.run(go())
     assert runner.num_started == 0

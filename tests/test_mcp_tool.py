@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 from pathlib import Path
@@ -15,9 +16,13 @@ SERVER = Path(__file__).with_name("mcp_server_for_tests.py")
 SERVER_CONFIG = {"command": sys.executable, "args": [str(SERVER)]}
 
 
-def mcp_entry(**extra) -> dict:
-    config = {"server": SERVER_CONFIG, "timeout_s": 20, **extra.pop("config", {})}
-    return {"class_name": "rollout.tools.mcp_tool.MCPTool", "config": config, **extra}
+def mcp_entry(tmp_path: Path, servers: dict | None = None, selected: list[str] | None = None, **config) -> dict:
+    """A verl `mcp:` tool entry whose servers file (`{"mcpServers": ...}`) is written under tmp_path."""
+    path = tmp_path / f"mcp_servers_{len(list(tmp_path.glob('mcp_servers_*')))}.json"
+    path.write_text(json.dumps({"mcpServers": servers or {"test": SERVER_CONFIG}}))
+    mcp = {"mcp_servers_config_path": str(path), **({"tool_selected_list": selected} if selected else {})}
+    return {"class_name": "rollout.tools.mcp_tool.MCPTool", "config": {"type": "mcp", "timeout_s": 20, **config},
+            "mcp": mcp}
 
 
 def server_processes() -> list[int]:
@@ -37,11 +42,11 @@ def server_processes() -> list[int]:
 
 
 @pytest.mark.integration
-def test_server_tools_become_polyturn_tools_and_round_trip():
-    """MCP: one YAML entry exposes every server tool with the server's schema; calls round-trip (also
+def test_server_tools_become_polyturn_tools_and_round_trip(tmp_path):
+    """MCP (verl's `mcp:` entry): one YAML entry exposes every server tool with the server's schema; calls round-trip (also
     concurrently); server-side errors come back as text with `is_error`; bad arguments are stopped by the
     schema before the server; a hung call is cancelled at the timeout; closing the registry ends the server."""
-    registry = ToolRegistry.from_config({"tools": [mcp_entry(config={"timeout_s": 20})]})
+    registry = ToolRegistry.from_config({"tools": [mcp_entry(tmp_path)]})
     assert registry.names == ["add", "shout", "fail", "slow"]
     add_schema = registry.schemas(["add"])[0]["function"]
     assert add_schema["description"] == "Add two integers."
@@ -85,26 +90,10 @@ def test_server_tools_become_polyturn_tools_and_round_trip():
 
 
 @pytest.mark.integration
-def test_tool_subset_and_per_tool_schema_entries():
-    """MCP: `config.tools` picks a subset; an entry with `tool_schema` is exactly that one tool, with the
-    YAML's schema shown to the model and calls going to the server tool of that name."""
-    custom = {
-        "type": "function",
-        "function": {
-            "name": "shout",
-            "description": "Make text loud.",
-            "parameters": {
-                "type": "object",
-                "properties": {"text": {"type": "string", "description": "what to shout"}},
-                "required": ["text"],
-            },
-        },
-    }
-    registry = ToolRegistry.from_config(
-        {"tools": [mcp_entry(config={"tools": ["add"]}), mcp_entry(tool_schema=custom)]}
-    )
-    assert registry.names == ["add", "shout"]
-    assert registry.schemas(["shout"]) == [custom]
+def test_tool_selected_list_picks_a_subset(tmp_path):
+    """MCP: `mcp.tool_selected_list` picks a subset; calls go to the server tool of that name."""
+    registry = ToolRegistry.from_config({"tools": [mcp_entry(tmp_path, selected=["shout"])]})
+    assert registry.names == ["shout"]
 
     async def go():
         runner = registry.runner("shout")
@@ -117,26 +106,16 @@ def test_tool_subset_and_per_tool_schema_entries():
 
 
 @pytest.mark.integration
-def test_bad_mcp_entries_are_refused_at_load():
-    """MCP: a tool the server does not offer, or a server that cannot start, fails at load naming the entry."""
-    with pytest.raises(
-        ToolConfigError,
-        match=r"tools\[0\]: building MCPTool failed: .*\['search'\].*offers \['add', 'fail', 'shout', 'slow'\]",
-    ):
-        ToolRegistry.from_config({"tools": [mcp_entry(config={"tools": ["search"]})]})
-    with pytest.raises(
-        ToolConfigError,
-        match=r"tools\[0\]: building MCPTool failed: .*could not list the tools of MCP server /nonexistent/python",
-    ):
-        ToolRegistry.from_config(
-            {
-                "tools": [
-                    {
-                        "class_name": "rollout.tools.mcp_tool.MCPTool",
-                        "config": {"server": {"command": "/nonexistent/python"}},
-                    }
-                ]
-            }
-        )
-    with pytest.raises(ToolConfigError, match=r"needs config\.server\.command"):
-        ToolRegistry.from_config({"tools": [{"class_name": "rollout.tools.mcp_tool.MCPTool", "config": {}}]})
+def test_bad_mcp_entries_are_refused_at_load(tmp_path):
+    """MCP: a tool the servers do not offer, a server that cannot start, a url server, or no servers file
+    fails at load naming the entry."""
+    with pytest.raises(ToolConfigError, match=r"tools\[0\]\.mcp\.tool_selected_list: \['search'\] not offered"):
+        ToolRegistry.from_config({"tools": [mcp_entry(tmp_path, selected=["search"])]})
+    with pytest.raises(ToolConfigError, match=r"tools\[0\]\.mcp: could not list the tools of MCP server /nonexistent/python"):
+        ToolRegistry.from_config({"tools": [mcp_entry(tmp_path, {"x": {"command": "/nonexistent/python"}})]})
+    with pytest.raises(ToolConfigError, match=r"MCP server 'web' needs a `command`.*only stdio"):
+        ToolRegistry.from_config({"tools": [mcp_entry(tmp_path, {"web": {"url": "http://localhost:1/sse"}})]})
+    entry = mcp_entry(tmp_path)
+    entry["mcp"] = {}
+    with pytest.raises(ToolConfigError, match=r"tools\[0\]\.mcp: needs mcp_servers_config_path"):
+        ToolRegistry.from_config({"tools": [entry]})

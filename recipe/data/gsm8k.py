@@ -16,7 +16,7 @@ so one file serves the single-turn scorer, the `calc_gsm8k_reward` tool and both
 interactions (`gsm8k` reads `ground_truth`, `gsm8k_tutor` also reads `solution`).
 
 Where it departs from verl's `gsm8k_multiturn_w_tool.py`: the ground truth goes through the
-same extraction the tool and the scorer use (`extract_gsm8k_answer`), so "1,000" is stored
+same extraction the scorer uses (`recipe.reward.gsm8k.extract_solution`), so "1,000" is stored
 as "1000"; a record whose answer has no `#### N` line is refused, naming the record.
 
 CLI: `python -m recipe.data.gsm8k --out DIR [--local-dir DIR_WITH_JSONL]`.
@@ -31,7 +31,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from rollout.tools.gsm8k_tool import extract_gsm8k_answer
+from recipe.reward.gsm8k import extract_solution
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ USER_SUFFIX = "Solve it step by step and write the final answer after `####`."
 
 def ground_truth_of(answer: str, where: str) -> str:
     """The final number of a GSM8K reference solution (`#### N` line), normalized; raises if absent."""
-    truth = extract_gsm8k_answer(answer, "strict")
+    truth = extract_solution(answer, "strict")
     if truth is None:
         raise ValueError(f"{where}: the answer has no '#### <number>' line; is this GSM8K's `answer` field?")
     return truth

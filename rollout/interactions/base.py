@@ -12,22 +12,18 @@ every trajectory routed to it; per-trajectory state lives under an `instance_id`
 Call interactions through `rollout.interactions.runner.InteractionRunner`, which guarantees
 `finalize_interaction` and turns exceptions and timeouts into a terminating turn.
 
-Departs from verl: `calculate_score` and `finalize_interaction` take the `instance_id` (in
-verl they take none, so per-instance state can leak); `name` defaults from the class name
-(`Gsm8kInteraction` -> `gsm8k`) when the config does not give one.
+Subclassing is optional: the loader takes any class with these methods. Departs from verl's
+base: `calculate_score` and `finalize_interaction` take the `instance_id` (verl's base takes
+none, so per-instance state can leak); classes written against verl's base signatures are
+called without it. `name` defaults the way verl derives it (`Gsm8kInteraction` -> `gsm8k`).
 """
 
 from __future__ import annotations
 
-import re
 import uuid
 from typing import Any
 
-
-def default_interaction_name(cls: type) -> str:
-    """`Gsm8kInteraction` -> `gsm8k`, `MathTutorInteraction` -> `math_tutor`."""
-    base = cls.__name__.removesuffix("Interaction") or cls.__name__
-    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", base).lower()
+from rollout.plugins import verl_interaction_name
 
 
 class BaseInteraction:
@@ -35,7 +31,7 @@ class BaseInteraction:
 
     def __init__(self, config: dict[str, Any]):
         self.config = dict(config or {})
-        self.name: str = self.config.get("name") or default_interaction_name(type(self))
+        self.name: str = self.config.get("name") or verl_interaction_name(type(self).__name__)
 
     async def start_interaction(self, instance_id: str | None = None, **kwargs: Any) -> str:
         """Start a per-trajectory instance; `kwargs` are the sample's `interaction_kwargs`."""

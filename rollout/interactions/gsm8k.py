@@ -2,15 +2,15 @@
 
 Both read the sample's `interaction_kwargs`: `ground_truth` (the final number) and, for the
 tutor, `solution` (GSM8K's reference solution text, steps on separate lines, `#### N` last).
-Each user turn grades the last assistant message with the shared GSM8K extraction
-(`rollout.tools.gsm8k_tool.gsm8k_score`); a correct answer ends the conversation with score
-1.0. Otherwise `Gsm8kInteraction` gives verl's "incorrect, reflect and try again" feedback and
+Each user turn grades the last assistant message with the scorer named by `config.score_fn`
+(a dotted path; the shipped YAML names the recipe's `recipe.reward.gsm8k.compute_score`, so
+rollout and reward share one scorer) with verl's strict extraction (`config.method: flexible`
+opts in to the last number anywhere); a correct answer ends the conversation with score 1.0. Otherwise `Gsm8kInteraction` gives verl's "incorrect, reflect and try again" feedback and
 `Gsm8kTutorInteraction` reveals the next step of the reference solution, until
 `max_user_turns` (config, default 3) user turns are spent.
 
 Departs from verl's `Gsm8kInteraction`: it has no turn limit of its own (it relies on the
-rollout's), and it scores by string equality; this one also stops itself after
-`max_user_turns` and compares numbers by value.
+rollout's); this one also stops itself after `max_user_turns`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import re
 from typing import Any
 
 from rollout.interactions.base import BaseInteraction
-from rollout.tools.gsm8k_tool import gsm8k_score
+from rollout.plugins import import_object
 
 _CALCULATOR = re.compile(r"<<[^>]*>>")
 
@@ -50,7 +50,11 @@ class Gsm8kInteraction(BaseInteraction):
     def __init__(self, config: dict[str, Any]):
         super().__init__(config)
         self.max_user_turns = int(self.config.get("max_user_turns", 3))
-        self.method = self.config.get("method", "flexible")
+        if "score_fn" not in self.config:
+            raise ValueError(f"interaction {self.name!r} needs config.score_fn: the dotted path of the GSM8K "
+                             "scorer, e.g. recipe.reward.gsm8k.compute_score")
+        self.score_fn = import_object(self.config["score_fn"], f"interaction {self.name!r} config.score_fn")
+        self.method = self.config.get("method", "strict")
         if self.max_user_turns < 1:
             raise ValueError(
                 f"interaction {self.name!r}: config.max_user_turns must be >= 1, got {self.max_user_turns}"
@@ -69,7 +73,7 @@ class Gsm8kInteraction(BaseInteraction):
     def _grade(self, instance_id: str, messages: list[dict[str, Any]]) -> tuple[dict[str, Any], float]:
         state = self._instances[instance_id]
         state["turns"] += 1
-        score = gsm8k_score(last_assistant_text(messages), state["ground_truth"], self.method)
+        score = float(self.score_fn(last_assistant_text(messages), state["ground_truth"], method=self.method))
         state["score"] = max(state["score"], score)
         return state, score
 

@@ -1,9 +1,10 @@
-"""Interaction registry: verl's YAML format, routing by `interaction_kwargs.name`.
+"""Interaction registry: interactions from verl's YAML (through `rollout.plugins`), routing by
+`interaction_kwargs.name`.
 
     interaction:
-      - name: gsm8k                                          # optional; default from the class name
+      - name: gsm8k                                          # optional; verl's default from the class name
         class_name: rollout.interactions.gsm8k.Gsm8kInteraction
-        config: {max_user_turns: 3}
+        config: {max_user_turns: 3, score_fn: recipe.reward.gsm8k.compute_score}
 
 A sample picks its interaction with `extra_info.interaction_kwargs.name`; with a single
 registered interaction the name may be omitted. `validate_sample` refuses an unknown name
@@ -16,66 +17,47 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rollout.interactions.base import BaseInteraction
 from rollout.interactions.runner import InteractionRunner
-from rollout.tools.registry import ToolConfigError, import_class, read_yaml_list
+from rollout.plugins import PluginConfigError, Registry, build, check_keys, import_class, read_entries, \
+    verl_interaction_name
+
+InteractionConfigError = PluginConfigError  # the interactions' name for it
+
+INTERACTION_METHODS = ("start_interaction", "generate_response", "calculate_score", "finalize_interaction")
 
 
-class InteractionConfigError(ToolConfigError):
-    """An interaction YAML entry or a sample's `interaction_kwargs` is wrong."""
-
-
-def build_interactions(source: str | Path | dict[str, Any]) -> list[BaseInteraction]:
-    """All interactions of an interaction config (YAML path or mapping), in file order."""
-    try:
-        entries, label = read_yaml_list(source, "interaction")
-    except ToolConfigError as exc:
-        raise InteractionConfigError(str(exc)) from None
-    out: list[BaseInteraction] = []
+def build_interactions(source: str | Path | dict[str, Any]) -> list[Any]:
+    """All interactions of an interaction config (YAML path or mapping), in file order; each gets its
+    name in `config["name"]` (as verl does)."""
+    entries, label, _ = read_entries(source, "interaction")
+    out: list[Any] = []
     for i, entry in enumerate(entries):
         where = f"{label}: interaction[{i}]"
-        if not isinstance(entry, dict):
-            raise InteractionConfigError(f"{where}: expected a mapping with name, class_name, config")
-        unknown = set(entry) - {"name", "class_name", "config"}
-        if unknown:
-            raise InteractionConfigError(f"{where}: unknown keys {sorted(unknown)}; allowed: name, class_name, config")
-        try:
-            cls = import_class(entry.get("class_name"), where, BaseInteraction)
-        except ToolConfigError as exc:
-            raise InteractionConfigError(str(exc)) from None
+        check_keys(entry, {"name", "class_name", "config"}, where)
+        cls = import_class(entry.get("class_name"), f"{where}.class_name", INTERACTION_METHODS)
         config = dict(entry.get("config") or {})
-        if entry.get("name"):
-            config["name"] = entry["name"]
+        config["name"] = entry.get("name") or verl_interaction_name(entry["class_name"])
+        interaction = build(cls, where, config=config)
         try:
-            out.append(cls(config))
-        except Exception as exc:
-            raise InteractionConfigError(
-                f"{where}: building {cls.__name__} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+            InteractionRunner(interaction)
+        except PluginConfigError as exc:
+            raise InteractionConfigError(f"{where}: {exc}") from None
+        out.append(interaction)
     return out
 
 
-class InteractionRegistry:
+class InteractionRegistry(Registry[InteractionRunner]):
     """The interactions of one rollout, by name, each behind its `InteractionRunner`."""
 
-    def __init__(self, interactions: list[BaseInteraction]):
-        self.runners: dict[str, InteractionRunner] = {}
-        for inter in interactions:
-            if inter.name in self.runners:
-                raise InteractionConfigError(
-                    f"two interactions are named {inter.name!r}; give each entry a unique `name`"
-                )
-            self.runners[inter.name] = InteractionRunner(inter)
+    kind = "interaction"
+
+    def __init__(self, interactions: list[Any]):
+        super().__init__([InteractionRunner(i) for i in interactions])
 
     @classmethod
     def from_config(cls, source: str | Path | dict[str, Any] | None) -> InteractionRegistry:
         """Registry from a YAML path or mapping (None: no interactions)."""
         return cls(build_interactions(source) if source is not None else [])
-
-    @property
-    def names(self) -> list[str]:
-        """Names of the registered interactions, in config order."""
-        return list(self.runners)
 
     def resolve_name(self, interaction_kwargs: dict[str, Any] | None) -> str:
         """The interaction a sample is routed to; InteractionConfigError if there is none."""
@@ -100,7 +82,3 @@ class InteractionRegistry:
     def route(self, interaction_kwargs: dict[str, Any] | None) -> InteractionRunner:
         """The runner of the sample's interaction."""
         return self.runners[self.resolve_name(interaction_kwargs)]
-
-    def counts(self) -> dict[str, tuple[int, int]]:
-        """Per interaction: (instances started, instances finalized)."""
-        return {n: (r.num_started, r.num_finalized) for n, r in self.runners.items()}

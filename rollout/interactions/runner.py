@@ -3,19 +3,20 @@
 Exceptions and timeouts of `generate_response` become a terminating `InteractionTurn` with
 `error` set (the trajectory ends with the `error` finish reason instead of crashing the run);
 `session()` calls `finalize_interaction` on every exit, cancellation included, and the runner
-counts starts and finalizations so tests and metrics can assert they are equal.
+counts starts and finalizations so tests and metrics can assert they are equal (the shared
+lifecycle is `rollout.plugins.PluginRunner`). Calls follow verl's agent loop:
+`start_interaction(instance_id, **interaction_kwargs)`, `generate_response(instance_id,
+messages, **interaction_kwargs)`; `calculate_score` and `finalize_interaction` get the instance
+id only when their signature takes it (verl's base takes none).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.interactions.base import BaseInteraction
+from rollout.plugins import PluginConfigError, PluginRunner, verl_interaction_name
 
 logger = logging.getLogger(__name__)
 
@@ -31,61 +32,41 @@ class InteractionTurn:
     error: str | None = None  # set when the interaction raised or timed out (then should_terminate is True)
 
 
-class InteractionRunner:
+class InteractionRunner(PluginRunner[Any]):
     """Runs one interaction; safe to share across trajectories."""
 
-    def __init__(self, interaction: BaseInteraction, timeout_s: float | None = None):
-        self.interaction = interaction
-        self.name = interaction.name
-        self.timeout_s = float(timeout_s if timeout_s is not None else interaction.config.get("timeout_s", 60.0))
+    kind = "interaction"
+
+    def __init__(self, interaction: Any, timeout_s: float | None = None):
+        config = dict(getattr(interaction, "config", None) or {})
+        name = getattr(interaction, "name", None) or config.get("name") or verl_interaction_name(
+            type(interaction).__name__)
+        super().__init__(interaction, name)
+        self.timeout_s = float(timeout_s if timeout_s is not None else config.get("timeout_s", 60.0))
         if self.timeout_s <= 0:
-            raise ValueError(f"interaction {self.name!r}: timeout_s must be > 0, got {self.timeout_s}")
-        self.num_started = 0
-        self.num_finalized = 0
-        self.live_instances: set[str] = set()
+            raise PluginConfigError(f"interaction {self.name!r}: config.timeout_s must be > 0, got {self.timeout_s}")
 
-    async def start(self, instance_id: str | None = None, **interaction_kwargs: Any) -> str:
-        """Start an instance (time-limited) and count it; prefer `session`, which also finalizes it."""
-        iid = await asyncio.wait_for(
-            self.interaction.start_interaction(instance_id, **interaction_kwargs), self.timeout_s
-        )
-        if not isinstance(iid, str) or not iid:
-            raise TypeError(
-                f"interaction {self.name!r}: start_interaction() returned {iid!r}; return the instance id (str)"
-            )
-        self.num_started += 1
-        self.live_instances.add(iid)
-        return iid
+    @property
+    def interaction(self) -> Any:
+        return self.plugin
 
-    async def finalize(self, instance_id: str, **kwargs: Any) -> None:
-        """Finalize once; errors and timeouts are logged, never raised."""
-        if instance_id not in self.live_instances:
-            logger.warning(
-                "interaction %r: finalize of unknown or finalized instance %r ignored", self.name, instance_id
-            )
-            return
-        self.live_instances.discard(instance_id)
-        self.num_finalized += 1
-        try:
-            await asyncio.wait_for(self.interaction.finalize_interaction(instance_id, **kwargs), self.timeout_s)
-        except Exception:  # noqa: BLE001
-            logger.exception("interaction %r: finalize_interaction(%r) failed", self.name, instance_id)
+    @property
+    def num_started(self) -> int:
+        return self.num_opened
 
-    @asynccontextmanager
-    async def session(self, instance_id: str | None = None, **interaction_kwargs: Any) -> AsyncIterator[str]:
+    @property
+    def num_finalized(self) -> int:
+        return self.num_closed
+
+    def session(self, **interaction_kwargs: Any):
         """`async with runner.session(**interaction_kwargs) as iid:` — finalize guaranteed."""
-        iid = await self.start(instance_id, **interaction_kwargs)
-        try:
-            yield iid
-        finally:
-            await asyncio.shield(self.finalize(iid))
+        return self._session(lambda: self._open(self.interaction.start_interaction(None, **interaction_kwargs)),
+                             "finalize_interaction", {})
 
     async def respond(self, instance_id: str, messages: list[dict[str, Any]], **kwargs: Any) -> InteractionTurn:
         """The next user turn; never raises (except for cancellation of the caller)."""
         try:
-            out = await asyncio.wait_for(
-                self.interaction.generate_response(instance_id, messages, **kwargs), self.timeout_s
-            )
+            out = await self._timed(self.interaction.generate_response(instance_id, messages, **kwargs))
             should_terminate, text, score, metadata = out
             return InteractionTurn(bool(should_terminate), str(text or ""), float(score), dict(metadata or {}))
         except TimeoutError:
@@ -97,10 +78,4 @@ class InteractionRunner:
 
     async def calculate_score(self, instance_id: str, **kwargs: Any) -> float:
         """The instance's score; a failure gives 0.0 and a logged error."""
-        try:
-            return float(
-                await asyncio.wait_for(self.interaction.calculate_score(instance_id, **kwargs), self.timeout_s)
-            )
-        except Exception:  # noqa: BLE001
-            logger.exception("interaction %r: calculate_score(%r) failed; using 0.0", self.name, instance_id)
-            return 0.0
+        return await self.score("calculate_score", instance_id, **kwargs)

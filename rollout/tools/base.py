@@ -1,9 +1,10 @@
 """`BaseTool`: the one plug-in signature every tool implements (verl-compatible).
 
 A tool is one object shared by every trajectory; per-trajectory state lives under an
-`instance_id` that `create` hands out and `release` frees. The agent loop calls, per sample:
+`instance_id` that `create` hands out and `release` frees. The agent loop calls, per sample
+(verl's agent-loop shapes; `*_kwargs` come from the sample's `tools_kwargs.<tool>`):
 
-    instance_id, _ = await tool.create(instance_id=None, **create_kwargs)
+    instance_id, _ = await tool.create(create_kwargs=create_kwargs)
     response, step_reward, metrics = await tool.execute(instance_id, arguments, **execute_kwargs)
     reward = await tool.calc_reward(instance_id, **calc_reward_kwargs)
     await tool.release(instance_id, **release_kwargs)          # always, also on errors
@@ -12,8 +13,9 @@ Never call a tool directly from rollout code: go through `rollout.tools.runner.T
 which adds timeouts, concurrency and rate limits, turns exceptions into tool responses and
 guarantees `release`.
 
-Departs from verl: `create` may return just an id (verl <= 0.4) or `(id, ToolResponse|None)`
-(verl >= 0.5); the runner accepts both. `execute` may return a `str` or a `ToolResponse`.
+Subclassing is optional: the loader takes any class with these methods (verl's classes as they
+are). `create` may return just an id (verl <= 0.4) or `(id, response|None)` (verl >= 0.5);
+`execute` may return a `str`, a dict (`text`, `image`, `video`) or a `ToolResponse`.
 """
 
 from __future__ import annotations
@@ -36,22 +38,13 @@ class BaseTool:
         self.tool_schema = tool_schema
         self.name = tool_schema.function.name
 
-    @classmethod
-    def from_config(cls, config: dict[str, Any], tool_schema: OpenAIFunctionToolSchema | None) -> list[BaseTool]:
-        """Tools one YAML entry builds. Default: one tool; it needs a `tool_schema`.
-
-        Override to expand one entry into several tools (the MCP adapter does).
-        """
-        if tool_schema is None:
-            raise ValueError(f"{cls.__name__} needs a `tool_schema` in its YAML entry (OpenAI function schema)")
-        return [cls(config, tool_schema)]
-
     def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
         """The schema shown to the model (verl's accessor)."""
         return self.tool_schema
 
     async def create(self, instance_id: str | None = None, **kwargs: Any) -> tuple[str, ToolResponse | None]:
-        """Start a per-trajectory instance; returns its id and an optional initial response."""
+        """Start a per-trajectory instance (`kwargs["create_kwargs"]`: the sample's); returns its id and
+        an optional initial response."""
         return instance_id or str(uuid.uuid4()), None
 
     async def execute(
@@ -68,4 +61,4 @@ class BaseTool:
         """Free the instance's state. Called exactly once per `create`, also after errors."""
 
     async def close(self) -> None:
-        """Free resources shared by all instances (servers, pools). Called once by the registry."""
+        """Free resources shared by all instances (servers, pools). Optional; called once by the registry."""

@@ -1,21 +1,22 @@
-"""MCP adapter: the tools of a stdio MCP server become polyturn tools (official `mcp` SDK, 2.x).
-
-One YAML entry names a server; by default it expands to one polyturn tool per server tool,
-with the server's own names, descriptions and input schemas:
+"""MCP tools: the tools of stdio MCP servers become rollout tools (official `mcp` SDK, 2.x),
+configured the way verl configures them:
 
     tools:
-      - class_name: rollout.tools.mcp_tool.MCPTool
-        config:
-          server: {command: python, args: [my_server.py], env: {KEY: value}, cwd: /some/dir}
-          tools: [search, fetch]        # optional: only these (default: all the server lists)
-          timeout_s: 30                 # runner limits apply per tool, as for any tool
+      - class_name: rollout.tools.mcp_tool.MCPTool     # or a subclass (e.g. other result parsing)
+        config: {type: mcp, timeout_s: 30}             # given to every tool of the servers
+        mcp:
+          mcp_servers_config_path: mcp_servers.json    # {"mcpServers": {name: {command, args, env, cwd}}}
+          tool_selected_list: [search, fetch]          # optional: only these (default: all listed)
 
-With a `tool_schema` in the entry, it becomes exactly one tool: the server tool of that name,
-presented to the model with the given schema (verl's one-entry-per-tool style).
+Each server tool becomes one `cls(config=..., tool_schema=...)` with the server's own name,
+description and input schema; the loader hands it its server's connection as
+`tool.mcp_connection` (verl reaches servers through a global client manager instead).
+A relative `mcp_servers_config_path` is looked up from the working directory, then next to
+the tool YAML. Only stdio servers (`command`) are supported; a `url` server is refused at load.
 
-The server is listed once at load (in a helper thread with its own event loop, so loading
-works inside or outside a running loop). Calls share one persistent connection per event
-loop, opened on first use and owned by a background task (the SDK's context managers must
+The servers are listed once at load (in a helper thread with its own event loop, so loading
+works inside or outside a running loop). Calls share one persistent connection per server and
+event loop, opened on first use and owned by a background task (the SDK's context managers must
 be entered and left in the same task); `close()` (the registry's `aclose`) ends it and the
 server process. A call cancelled by the runner's timeout is abandoned on the client side.
 A server-side error (`is_error`) is returned to the model as text with metric `is_error`.
@@ -24,30 +25,73 @@ A server-side error (`is_error`) is returned to the model as text with metric `i
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
+from pathlib import Path
 from typing import Any
 
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 
+from rollout.plugins import PluginConfigError, build
 from rollout.tools.base import BaseTool
 from rollout.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 logger = logging.getLogger(__name__)
 
 
-def server_parameters(config: dict[str, Any]) -> StdioServerParameters:
-    """`config.server` -> the SDK's stdio parameters; ValueError naming the missing key."""
-    server = config.get("server")
+def server_parameters(name: str, server: Any, where: str) -> StdioServerParameters:
+    """One `mcpServers` entry -> the SDK's stdio parameters; PluginConfigError naming what is missing."""
     if not isinstance(server, dict) or not server.get("command"):
-        raise ValueError("MCPTool needs config.server.command (and optionally args, env, cwd) of a stdio MCP server")
+        raise PluginConfigError(
+            f"{where}: MCP server {name!r} needs a `command` (and optionally args, env, cwd); only stdio "
+            f"servers are supported, got {server!r}"
+        )
     return StdioServerParameters(
         command=str(server["command"]),
         args=[str(a) for a in server.get("args", [])],
         env={str(k): str(v) for k, v in (server.get("env") or {}).items()} or None,
         cwd=server.get("cwd"),
     )
+
+
+def tools_from_mcp_servers(cls: type, config: dict[str, Any], mcp: Any, base_dir: Path | None, where: str) -> list[Any]:
+    """The tools of an `mcp:` entry: one `cls(config=, tool_schema=)` per selected server tool."""
+    if not isinstance(mcp, dict) or not mcp.get("mcp_servers_config_path"):
+        raise PluginConfigError(f"{where}.mcp: needs mcp_servers_config_path (and optionally tool_selected_list)")
+    path = Path(mcp["mcp_servers_config_path"])
+    if not path.is_absolute() and not path.is_file() and base_dir is not None:
+        path = base_dir / path
+    try:
+        servers = json.loads(path.read_text())["mcpServers"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PluginConfigError(
+            f"{where}.mcp.mcp_servers_config_path: cannot read an 'mcpServers' mapping from {path} ({exc})"
+        ) from exc
+    selected = mcp.get("tool_selected_list")
+    tools: list[Any] = []
+    for server_name, server in servers.items():
+        connection = MCPConnection(server_parameters(server_name, server, f"{where}.mcp"))
+        try:
+            listed = connection.list_tools_blocking()
+        except RuntimeError as exc:
+            raise PluginConfigError(f"{where}.mcp: {exc}") from exc
+        for remote in listed:
+            if selected and remote.name not in selected:
+                continue
+            schema = OpenAIFunctionToolSchema.from_dict(
+                {"type": "function", "function": {"name": remote.name, "description": remote.description or "",
+                                                   "parameters": remote.input_schema}},
+                where=f"{where}: MCP tool {remote.name!r}",
+            )
+            tool = build(cls, where, config=dict(config), tool_schema=schema)
+            tool.mcp_connection = connection
+            tools.append(tool)
+    missing = sorted(set(selected or ()) - {t.name for t in tools})
+    if missing:
+        raise PluginConfigError(f"{where}.mcp.tool_selected_list: {missing} not offered by the MCP servers")
+    return tools
 
 
 class MCPConnection:
@@ -123,48 +167,13 @@ class MCPConnection:
 
 
 class MCPTool(BaseTool):
-    """One tool of an MCP server; build them with `MCPTool.from_config` (the registry does)."""
+    """One tool of an MCP server; built by `tools_from_mcp_servers` (an `mcp:` tool entry)."""
 
-    def __init__(
-        self, config: dict[str, Any], tool_schema: OpenAIFunctionToolSchema, connection: MCPConnection, remote_name: str
-    ):
-        super().__init__(config, tool_schema)
-        self.connection = connection
-        self.remote_name = remote_name
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any], tool_schema: OpenAIFunctionToolSchema | None) -> list[BaseTool]:
-        connection = MCPConnection(server_parameters(config))
-        listed = {t.name: t for t in connection.list_tools_blocking()}
-        if tool_schema is not None:
-            name = tool_schema.function.name
-            if name not in listed:
-                raise ValueError(f"tool_schema names {name!r}, but the MCP server offers {sorted(listed)}")
-            return [cls(config, tool_schema, connection, name)]
-        wanted = config.get("tools") or list(listed)
-        missing = [n for n in wanted if n not in listed]
-        if missing:
-            raise ValueError(f"config.tools lists {missing}, not offered by the MCP server; it offers {sorted(listed)}")
-        tools: list[BaseTool] = []
-        for name in wanted:
-            remote = listed[name]
-            schema = OpenAIFunctionToolSchema.from_dict(
-                {
-                    "type": "function",
-                    "function": {
-                        "name": name,
-                        "description": remote.description or "",
-                        "parameters": remote.input_schema,
-                    },
-                },
-                where=f"MCP tool {name!r}",
-            )
-            tools.append(cls(config, schema, connection, name))
-        return tools
+    mcp_connection: MCPConnection  # set by the loader
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any):
-        client = await self.connection.client()
-        result = await client.call_tool(self.remote_name, parameters)
+        client = await self.mcp_connection.client()
+        result = await client.call_tool(self.name, parameters)
         texts = []
         for block in result.content:
             texts.append(block.text if getattr(block, "type", None) == "text" else f"[{block.type} content]")
@@ -174,4 +183,4 @@ class MCPTool(BaseTool):
         return ToolResponse(text=text), 0.0, {"is_error": bool(result.is_error)}
 
     async def close(self) -> None:
-        await self.connection.close()
+        await self.mcp_connection.close()

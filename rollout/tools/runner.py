@@ -12,7 +12,14 @@ Failures are data, never exceptions: a tool that raises, times out, or is called
 arguments that do not fit its schema gives a `ToolCallResult` whose `text` tells the model
 what went wrong and whose `error` / `timed_out` flags feed the metrics. `release` is always
 called for every created instance (`session()` guarantees it, also on cancellation), and the
-runner counts both so tests and metrics can assert `created == released`.
+runner counts both so tests and metrics can assert `created == released` (the shared
+lifecycle is `rollout.plugins.PluginRunner`).
+
+verl's call shapes: `create(create_kwargs={...})` as verl's tool agent loop calls it, returning
+an id or `(id, response)`; `execute` returning `(response, step_reward, metrics)` where the
+response is a str, a dict with `text` / `image` / `video`, or any `ToolResponse`-like object
+(verl's pydantic one included). A response from `create` is kept and put before the
+instance's first `execute` response, so the model sees it.
 
 Departs from verl, where a tool exception propagates and kills the rollout batch and a hung
 tool hangs it; the agent loop's token-budget truncation comes on top of the char cap here.
@@ -23,13 +30,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.tools.base import BaseTool
-from rollout.tools.schemas import ToolResponse
+from rollout.plugins import PluginConfigError, PluginRunner
+from rollout.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +66,7 @@ class ToolLimits:
 
     @classmethod
     def from_config(cls, config: dict[str, Any], tool_name: str) -> ToolLimits:
-        """Limits from a tool's `config`; ValueError naming the tool and the bad key."""
+        """Limits from a tool's `config`; PluginConfigError naming the tool and the bad key."""
         limits = cls(
             max_concurrency=int(config.get("max_concurrency", cls.max_concurrency)),
             rate_limit=None if config.get("rate_limit") is None else float(config["rate_limit"]),
@@ -69,13 +74,13 @@ class ToolLimits:
             max_response_chars=int(config.get("max_response_chars", cls.max_response_chars)),
         )
         if limits.max_concurrency < 1:
-            raise ValueError(f"tool {tool_name!r}: config.max_concurrency must be >= 1, got {limits.max_concurrency}")
+            raise PluginConfigError(f"tool {tool_name!r}: config.max_concurrency must be >= 1, got {limits.max_concurrency}")
         if limits.rate_limit is not None and limits.rate_limit <= 0:
             raise ValueError(
                 f"tool {tool_name!r}: config.rate_limit must be > 0 calls/s (or omitted), got {limits.rate_limit}"
             )
         if limits.timeout_s <= 0:
-            raise ValueError(f"tool {tool_name!r}: config.timeout_s must be > 0, got {limits.timeout_s}")
+            raise PluginConfigError(f"tool {tool_name!r}: config.timeout_s must be > 0, got {limits.timeout_s}")
         if limits.max_response_chars < 1:
             raise ValueError(
                 f"tool {tool_name!r}: config.max_response_chars must be >= 1, got {limits.max_response_chars}"
@@ -83,19 +88,54 @@ class ToolLimits:
         return limits
 
 
-class ToolRunner:
+def to_tool_response(response: Any) -> ToolResponse:
+    """A tool's response as polyturn's `ToolResponse`: from a str, a dict (`text`, `image`, `video`),
+    or any object with those attributes (verl's pydantic `ToolResponse`)."""
+    if isinstance(response, ToolResponse):
+        return response
+    if isinstance(response, str):
+        return ToolResponse(text=response)
+    if isinstance(response, dict):
+        return ToolResponse(text=response.get("text"), image=response.get("image"), video=response.get("video"))
+    if hasattr(response, "text"):
+        return ToolResponse(text=response.text, image=getattr(response, "image", None),
+                            video=getattr(response, "video", None))
+    return ToolResponse(text=str(response))
+
+
+def tool_schema_of(tool: Any) -> OpenAIFunctionToolSchema:
+    """The schema a tool shows the model (`get_openai_tool_schema()` or `tool_schema`), as ours."""
+    getter = getattr(tool, "get_openai_tool_schema", None)
+    schema = getter() if callable(getter) else getattr(tool, "tool_schema", None)
+    if isinstance(schema, OpenAIFunctionToolSchema):
+        return schema
+    if hasattr(schema, "model_dump"):  # verl's pydantic schema
+        schema = schema.model_dump(exclude_none=True)
+    return OpenAIFunctionToolSchema.from_dict(schema, where=f"{type(tool).__name__}.tool_schema")
+
+
+class ToolRunner(PluginRunner[Any]):
     """Runs one tool under its limits; safe to share across trajectories of one event loop."""
 
-    def __init__(self, tool: BaseTool, limits: ToolLimits | None = None):
-        self.tool = tool
-        self.name = tool.name
-        self.limits = limits or ToolLimits.from_config(tool.config, tool.name)
+    kind = "tool"
+
+    def __init__(self, tool: Any, limits: ToolLimits | None = None):
+        self.schema = tool_schema_of(tool)
+        name = getattr(tool, "name", None) or self.schema.function.name
+        self.limits = limits or ToolLimits.from_config(dict(getattr(tool, "config", None) or {}), name)
+        super().__init__(tool, name)
         self._semaphore: asyncio.Semaphore | None = None
         self._rate_lock: asyncio.Lock | None = None
         self._next_slot = 0.0
-        self.num_created = 0  # instances created successfully
-        self.num_released = 0  # release calls made for created instances (even if release raised)
-        self.live_instances: set[str] = set()
+        self._opening: dict[str, ToolResponse] = {}  # create's response, shown with the first result
+
+    @property
+    def tool(self) -> Any:
+        return self.plugin
+
+    @property
+    def timeout_s(self) -> float:  # type: ignore[override]
+        return self.limits.timeout_s
 
     def _limiters(self) -> tuple[asyncio.Semaphore, asyncio.Lock]:
         # Created lazily so a runner built outside an event loop binds to the loop that uses it.
@@ -114,50 +154,34 @@ class ToolRunner:
         if wait > 0:
             await asyncio.sleep(wait)
 
-    async def create(self, instance_id: str | None = None, **create_kwargs: Any) -> str:
-        """Create an instance; accepts verl's old (`id`) and new (`(id, response)`) return shapes."""
-        out = await asyncio.wait_for(self.tool.create(instance_id, **create_kwargs), self.limits.timeout_s)
-        new_id = out[0] if isinstance(out, tuple) else out
-        if not isinstance(new_id, str) or not new_id:
-            raise TypeError(
-                f"tool {self.name!r}: create() returned {out!r}; return the instance id (str) or (id, ToolResponse|None)"
-            )
-        self.num_created += 1
-        self.live_instances.add(new_id)
-        return new_id
+    async def create(self, create_kwargs: dict[str, Any] | None = None) -> str:
+        """Create an instance as verl's agent loop does: `tool.create(create_kwargs={...})`."""
+        box: dict[str, Any] = {}
+
+        async def opened() -> str:
+            out = await self.tool.create(create_kwargs=dict(create_kwargs or {}))
+            iid, response = out if isinstance(out, tuple) else (out, None)
+            box["response"] = response
+            return iid
+
+        iid = await self._open(opened())
+        if box.get("response") is not None:
+            self._opening[iid] = to_tool_response(box["response"])
+        return iid
 
     async def release(self, instance_id: str, **release_kwargs: Any) -> None:
         """Release an instance; errors and timeouts are logged, never raised."""
-        if instance_id not in self.live_instances:
-            logger.warning(
-                "tool %r: release of unknown or already released instance %r ignored", self.name, instance_id
-            )
-            return
-        self.live_instances.discard(instance_id)
-        self.num_released += 1
-        try:
-            await asyncio.wait_for(self.tool.release(instance_id, **release_kwargs), self.limits.timeout_s)
-        except Exception:  # noqa: BLE001 - release failures must not end the trajectory
-            logger.exception("tool %r: release(%r) failed", self.name, instance_id)
+        self._opening.pop(instance_id, None)
+        await self.close(instance_id, "release", **release_kwargs)
 
-    @asynccontextmanager
-    async def session(
-        self,
-        instance_id: str | None = None,
-        create_kwargs: dict[str, Any] | None = None,
-        release_kwargs: dict[str, Any] | None = None,
-    ) -> AsyncIterator[str]:
-        """`async with runner.session(...) as iid:` — create, then release on any exit (cancellation too)."""
-        iid = await self.create(instance_id, **(create_kwargs or {}))
-        try:
-            yield iid
-        finally:
-            # Shielded so a cancelled trajectory still releases; the release itself is time-limited.
-            await asyncio.shield(self.release(iid, **(release_kwargs or {})))
+    def session(self, create_kwargs: dict[str, Any] | None = None,
+                release_kwargs: dict[str, Any] | None = None):
+        """`async with runner.session(create_kwargs, release_kwargs) as iid:` — release guaranteed."""
+        return self._session(lambda: self.create(create_kwargs), "release", dict(release_kwargs or {}))
 
     async def execute(self, instance_id: str, parameters: Any, **execute_kwargs: Any) -> ToolCallResult:
         """Run one call under the limits; never raises (except for cancellation of the caller)."""
-        problems = self.tool.tool_schema.validate_arguments(parameters)
+        problems = self.schema.validate_arguments(parameters)
         if problems:
             msg = f"Error: invalid arguments for tool '{self.name}': " + "; ".join(problems)
             return ToolCallResult(text=msg, error="invalid_arguments: " + "; ".join(problems))
@@ -166,38 +190,31 @@ class ToolRunner:
             await self._wait_rate_slot(rate_lock)
             start = time.monotonic()
             try:
-                raw = await asyncio.wait_for(
-                    self.tool.execute(instance_id, parameters, **execute_kwargs), self.limits.timeout_s
-                )
+                raw = await self._timed(self.tool.execute(instance_id, parameters, **execute_kwargs))
             except TimeoutError:
-                logger.warning(
-                    "tool %r timed out after %.1fs (instance %s)", self.name, self.limits.timeout_s, instance_id
-                )
+                logger.warning("tool %r timed out after %.1fs (instance %s)", self.name, self.timeout_s, instance_id)
                 return ToolCallResult(
-                    text=f"Error: tool '{self.name}' timed out after {self.limits.timeout_s:g}s and was stopped.",
-                    error="timeout",
-                    timed_out=True,
-                    latency_s=time.monotonic() - start,
+                    text=f"Error: tool '{self.name}' timed out after {self.timeout_s:g}s and was stopped.",
+                    error="timeout", timed_out=True, latency_s=time.monotonic() - start,
                 )
             except Exception as exc:  # noqa: BLE001 - tool failures are data for the model
                 logger.warning("tool %r raised %s: %s", self.name, type(exc).__name__, exc)
                 return ToolCallResult(
                     text=f"Error: tool '{self.name}' failed: {type(exc).__name__}: {exc}",
-                    error=f"{type(exc).__name__}: {exc}",
-                    latency_s=time.monotonic() - start,
+                    error=f"{type(exc).__name__}: {exc}", latency_s=time.monotonic() - start,
                 )
             latency = time.monotonic() - start
-        return self._to_result(raw, latency)
+        return self._to_result(raw, latency, self._opening.pop(instance_id, None))
 
-    def _to_result(self, raw: Any, latency: float) -> ToolCallResult:
+    def _to_result(self, raw: Any, latency: float, opening: ToolResponse | None) -> ToolCallResult:
         if not (isinstance(raw, tuple) and len(raw) == 3):
             msg = f"tool '{self.name}' returned {type(raw).__name__}; execute() must return (response, step_reward, metrics)"
             return ToolCallResult(text=f"Error: {msg}", error=msg, latency_s=latency)
         response, step_reward, metrics = raw
-        if isinstance(response, str):
-            response = ToolResponse(text=response)
-        elif not isinstance(response, ToolResponse):
-            response = ToolResponse(text=str(response))
+        response = to_tool_response(response)
+        if opening is not None and opening.text:
+            response = ToolResponse(text=opening.text + "\n" + (response.text or ""), image=response.image,
+                                    video=response.video)
         text = response.text or ""
         truncated = len(text) > self.limits.max_response_chars
         if truncated:
@@ -209,21 +226,9 @@ class ToolRunner:
         except (TypeError, ValueError):
             logger.warning("tool %r returned a non-numeric step reward %r; using 0.0", self.name, step_reward)
             reward = 0.0
-        return ToolCallResult(
-            text=text,
-            step_reward=reward,
-            metrics=dict(metrics or {}),
-            truncated=truncated,
-            latency_s=latency,
-            response=response,
-        )
+        return ToolCallResult(text=text, step_reward=reward, metrics=dict(metrics or {}), truncated=truncated,
+                              latency_s=latency, response=response)
 
     async def calc_reward(self, instance_id: str, **calc_reward_kwargs: Any) -> float:
-        """The instance's reward; a failing or hung `calc_reward` gives 0.0 and a logged error."""
-        try:
-            return float(
-                await asyncio.wait_for(self.tool.calc_reward(instance_id, **calc_reward_kwargs), self.limits.timeout_s)
-            )
-        except Exception:  # noqa: BLE001
-            logger.exception("tool %r: calc_reward(%r) failed; using 0.0", self.name, instance_id)
-            return 0.0
+        """The instance's reward; a failing, hung or non-numeric `calc_reward` gives 0.0 and a logged error."""
+        return await self.score("calc_reward", instance_id, **calc_reward_kwargs)

@@ -1,0 +1,237 @@
+"""One loader for the rollout's plug-ins (tools and interactions), in verl's YAML formats.
+
+    tools:                                   # tool config (multi_turn.tool_config_path)
+      - class_name: pkg.module.MyTool        # dotted path; any class with verl's tool methods
+        config: {type: native, timeout_s: 10}
+        tool_schema: {type: function, function: {name, description, parameters}}
+      - class_name: rollout.tools.mcp_tool.MCPTool
+        config: {type: mcp}
+        mcp: {mcp_servers_config_path: servers.json, tool_selected_list: [search]}
+
+    interaction:                             # interaction config (multi_turn.interaction_config_path)
+      - name: gsm8k                          # optional: verl's default is the class name without
+        class_name: pkg.module.MyInteraction #   its "Interaction" suffix, lower-cased
+        config: {max_user_turns: 3}
+
+Classes are taken as verl users write them: duck-typed (subclassing polyturn's `BaseTool` /
+`BaseInteraction` is optional), built as `cls(config=..., tool_schema=...)` /
+`cls(config=...)` with the entry's name injected into an interaction's config, and called with
+verl's signatures. Methods whose signature takes fewer arguments than polyturn offers
+(verl's base `calculate_score(self)`, `finalize_interaction(self)`) are called with what they
+accept (`call_accepting`). A sample selects plug-ins by its `tools_kwargs` keys and its
+`interaction_kwargs.name`.
+
+`Registry` and `PluginRunner` are the lifecycle both kinds share: one runner per plug-in, a
+timeout on every call, open/close counted, close guaranteed by `session()` (also on
+cancellation). `rollout.tools` and `rollout.interactions` add only what differs (tool limits
+and response shapes; interaction turns).
+
+Departs from verl: every mistake in a config is refused at load, naming the entry and the fix
+(verl fails at the first call); plug-in failures and timeouts are data, never exceptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+
+class PluginConfigError(ValueError):
+    """A plug-in YAML entry, or a sample's plug-in selection, is wrong; the message names it and the fix."""
+
+
+def import_object(dotted: Any, where: str) -> Any:
+    """Import `package.module.Name`; errors name `where` (e.g. `tools.yaml: tools[2].class_name`)."""
+    if not isinstance(dotted, str) or "." not in dotted:
+        raise PluginConfigError(f"{where}: expected a dotted path like 'package.module.Name', got {dotted!r}")
+    module_name, _, attr = dotted.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise PluginConfigError(
+            f"{where}: cannot import module {module_name!r} ({exc}); check the path and that it is installed"
+        ) from exc
+    if not hasattr(module, attr):
+        raise PluginConfigError(f"{where}: module {module_name!r} has no attribute {attr!r}; check the name")
+    return getattr(module, attr)
+
+
+def import_class(dotted: Any, where: str, required: tuple[str, ...]) -> type:
+    """Import a plug-in class and check it has the `required` methods (duck typing, no base class)."""
+    cls = import_object(dotted, where)
+    if not isinstance(cls, type):
+        raise PluginConfigError(f"{where}: {dotted} is not a class")
+    missing = [m for m in required if not callable(getattr(cls, m, None))]
+    if missing:
+        raise PluginConfigError(f"{where}: {dotted} lacks {missing}; implement verl's plug-in methods {list(required)}")
+    return cls
+
+
+def read_entries(source: str | Path | dict[str, Any], key: str) -> tuple[list[dict[str, Any]], str, Path | None]:
+    """The mapping entries under `key` of a YAML file (or loaded mapping), a label for errors, the file's dir."""
+    if isinstance(source, dict):
+        data, label, base = source, "<config>", None
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise PluginConfigError(f"config file {path} does not exist; pass a YAML file with a '{key}:' list")
+        data, label, base = yaml.safe_load(path.read_text()) or {}, str(path), path.parent
+    if not isinstance(data, dict) or not isinstance(data.get(key), list):
+        raise PluginConfigError(f"{label}: expected a top-level '{key}:' list")
+    for i, entry in enumerate(data[key]):
+        if not isinstance(entry, dict):
+            raise PluginConfigError(f"{label}: {key}[{i}]: expected a mapping, got {type(entry).__name__}")
+        if not isinstance(entry.get("config") or {}, dict):
+            raise PluginConfigError(f"{label}: {key}[{i}].config: expected a mapping")
+    return data[key], label, base
+
+
+def check_keys(entry: dict[str, Any], allowed: set[str], where: str) -> None:
+    unknown = set(entry) - allowed
+    if unknown:
+        raise PluginConfigError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(allowed)}")
+
+
+def build(cls: type, where: str, **kwargs: Any) -> Any:
+    """`cls(**kwargs)`; any failure is a PluginConfigError naming the entry."""
+    try:
+        return cls(**kwargs)
+    except PluginConfigError:
+        raise
+    except Exception as exc:
+        raise PluginConfigError(f"{where}: building {cls.__name__} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def verl_interaction_name(class_name: str) -> str:
+    """verl's default interaction name: `pkg.Gsm8kInteraction` -> `gsm8k`, `pkg.Judge` -> `judge`."""
+    simple = class_name.rsplit(".", 1)[-1]
+    return (simple.removesuffix("Interaction") if simple.endswith("Interaction") else simple).lower()
+
+
+def call_accepting(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call `fn` with the arguments its signature accepts: all of them, else without `kwargs`,
+    else with nothing (verl's base `calculate_score(self)` and `finalize_interaction(self)`)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn(*args, **kwargs)
+    for a, kw in ((args, kwargs), (args, {}), ((), {})):
+        try:
+            sig.bind(*a, **kw)
+        except TypeError:
+            continue
+        return fn(*a, **kw)
+    return fn(*args, **kwargs)  # raises the TypeError that names the mismatch
+
+
+P = TypeVar("P")
+R = TypeVar("R", bound="PluginRunner")
+
+
+class PluginRunner(Generic[P]):
+    """Runs one plug-in object: time-limited calls, counted open/close, close guaranteed."""
+
+    kind = "plug-in"
+
+    timeout_s: float  # seconds any one call may take; set by the subclass
+
+    def __init__(self, plugin: P, name: str):
+        self.plugin = plugin
+        self.name = name
+        self.num_opened = 0  # instances opened successfully (tool create / interaction start)
+        self.num_closed = 0  # close calls made for opened instances, even if the close raised
+        self.live_instances: set[str] = set()
+
+    async def _timed(self, awaitable: Awaitable[Any]) -> Any:
+        return await asyncio.wait_for(awaitable, self.timeout_s)
+
+    async def _open(self, opened: Any) -> str:
+        """Count an instance id returned by the plug-in's open call (awaited here, time-limited)."""
+        iid = await self._timed(opened)
+        if not isinstance(iid, str) or not iid:
+            raise TypeError(f"{self.kind} {self.name!r}: opening an instance returned {iid!r}; return its id (str)")
+        self.num_opened += 1
+        self.live_instances.add(iid)
+        return iid
+
+    async def close(self, instance_id: str, method: str, **kwargs: Any) -> None:
+        """Call the plug-in's `method` (release / finalize_interaction) once; errors are logged, never raised."""
+        if instance_id not in self.live_instances:
+            logger.warning("%s %r: %s of unknown or closed instance %r ignored", self.kind, self.name, method, instance_id)
+            return
+        self.live_instances.discard(instance_id)
+        self.num_closed += 1
+        try:
+            await self._timed(call_accepting(getattr(self.plugin, method), instance_id, **kwargs))
+        except Exception:  # noqa: BLE001 - closing must not end the trajectory
+            logger.exception("%s %r: %s(%r) failed", self.kind, self.name, method, instance_id)
+
+    @asynccontextmanager
+    async def _session(self, opened: Callable[[], Awaitable[str]], method: str,
+                       close_kwargs: dict[str, Any]) -> AsyncIterator[str]:
+        iid = await opened()
+        try:
+            yield iid
+        finally:
+            # Shielded so a cancelled trajectory still closes; the close itself is time-limited.
+            await asyncio.shield(self.close(iid, method, **close_kwargs))
+
+    async def score(self, method: str, instance_id: str, **kwargs: Any) -> float:
+        """`plugin.method(instance_id, **kwargs)` as a float; a failure or non-number gives 0.0, logged."""
+        try:
+            return float(await self._timed(call_accepting(getattr(self.plugin, method), instance_id, **kwargs)))
+        except Exception:  # noqa: BLE001
+            logger.exception("%s %r: %s(%r) failed or was not a number; using 0.0", self.kind, self.name, method,
+                             instance_id)
+            return 0.0
+
+
+class Registry(Generic[R]):
+    """The runners of one rollout's plug-ins of one kind, by name (unique)."""
+
+    kind = "plug-in"
+
+    def __init__(self, runners: list[R]):
+        self.runners: dict[str, R] = {}
+        for runner in runners:
+            if runner.name in self.runners:
+                raise PluginConfigError(f"two {self.kind}s are named {runner.name!r}; names must be unique")
+            self.runners[runner.name] = runner
+
+    @property
+    def names(self) -> list[str]:
+        """Names of the registered plug-ins, in config order."""
+        return list(self.runners)
+
+    def runner(self, name: str) -> R:
+        """The runner of `name`; KeyError naming the known ones otherwise."""
+        if name not in self.runners:
+            raise KeyError(f"unknown {self.kind} {name!r}; known: {self.names}")
+        return self.runners[name]
+
+    def counts(self) -> dict[str, tuple[int, int]]:
+        """Per plug-in: (instances opened, instances closed)."""
+        return {n: (r.num_opened, r.num_closed) for n, r in self.runners.items()}
+
+    async def aclose(self) -> None:
+        """Call every plug-in's optional `close()` (shared resources such as MCP connections)."""
+        for runner in self.runners.values():
+            close = getattr(runner.plugin, "close", None)
+            if close is None:
+                continue
+            try:
+                result = close()
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:  # noqa: BLE001
+                logger.exception("closing %s %r failed", self.kind, runner.name)

@@ -469,6 +469,39 @@ def iter_hf_tensors(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[st
             yield name, tensor
 
 
+def iter_stage_hf_tensors(
+    model: torch.nn.Module, hf_config: Any, *, dst_tp_rank: int | None = 0, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for the HF tensors this pipeline stage owns, in HF order.
+
+    Collective over this stage's TP group only (stages export independently, nothing crosses the
+    pipeline). Each tensor's shards are cast to `dtype` (default: the parameters') and gathered to
+    TP rank `dst_tp_rank` (None: to every TP rank), one tensor at a time; the other TP ranks
+    iterate without yielding. Replicated tensors are not communicated.
+    """
+    shape = read_decoder_shape(hf_config)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp, tp_rank, pp, stage = _position()
+    params = _unwrapped_params(model, shape, stage, pp)
+    receives = dst_tp_rank is None or tp_rank == dst_tp_rank
+    dst = None if dst_tp_rank is None else torch.distributed.get_process_group_ranks(tp_group)[dst_tp_rank]
+    for owner, rule in _export_plan(shape, pp):
+        if owner != stage:
+            continue
+        local = params[rule.megatron_name].detach().to(dtype or params[rule.megatron_name].dtype).contiguous()
+        if rule.split == "replicated" or tp == 1:
+            shards = [local]
+        elif dst is None:
+            shards = [torch.empty_like(local) for _ in range(tp)]
+            torch.distributed.all_gather(shards, local, group=tp_group)
+        else:
+            shards = [torch.empty_like(local) for _ in range(tp)] if receives else None
+            torch.distributed.gather(local, shards, dst=dst, group=tp_group)
+        if receives:
+            for name, tensor in zip(rule.hf_names, _shards_to_hf(rule, shards, shape), strict=True):
+                yield name, tensor.contiguous()
+
+
 def export_hf_state_dict(
     model: torch.nn.Module, hf_config: Any, *, dst_rank: int = 0
 ) -> dict[str, torch.Tensor] | None:

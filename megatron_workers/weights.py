@@ -1,22 +1,52 @@
-"""Weight-sync export: HF-named full tensors from Megatron, grouped into buckets by byte size.
+"""Weight-sync sender: streaming export from Megatron ranks straight into the inference engines.
 
-The sender side of weight sync. `iter_hf_tensors` (`model.py`) gathers each tensor's TP
-shards and broadcasts it over the pipeline group, one tensor at a time, in HF names; this
-module groups that stream into buckets of about `bucket_bytes`, so a receiver (an SGLang
-engine's `update_weights_from_tensor`) gets a few large calls instead of one per tensor,
-and peak extra memory stays near one bucket.
+Each pipeline stage exports its own layers (`model.iter_stage_hf_tensors`): every tensor's TP
+shards are cast to the engine dtype and gathered over the stage's TP group one tensor at a time,
+then re-split into HF layout. The full tensors are copied into flat byte buckets of about
+`bucket_bytes` (the bucket plan is fixed by the tensor shapes, so every rank cuts the same
+buckets). A sender thread ships bucket k while the main thread gathers bucket k+1; a semaphore
+keeps at most two buckets alive, so peak extra memory stays under two buckets plus one tensor
+in flight. `peak_extra_bytes` in the returned metrics is measured, not derived: the largest sum
+of live bucket buffers plus the tensor being gathered, counted at the moment each is allocated.
 
-Where it departs from verl / slime: no dtype cast happens here; tensors keep the trainer's
-dtype and the engine's loader casts them into its own parameters. A tensor larger than the
-bucket gets a bucket of its own (never split).
+Two live paths, chosen by the caller (plain data in, plain metrics out):
+
+- tensor: each serializing rank pickles the bucket with torch's multiprocessing reductions (CUDA
+  IPC handles on GPUs, shared-memory names on CPU under the `file_system` sharing strategy; the
+  default fd strategy cannot cross to processes that are not this one's children) once per
+  engine TP rank it serves, and calls that engine actor's `load_payload` by name. The engine
+  loads a bucket once all its TP ranks' payloads arrived; the sender keeps the bucket alive
+  until then.
+- distributed: the stage's sender is rank 0 of a process group that every engine TP rank joins
+  (SGLang's `init_custom_process_group` convention: a `PrefixStore(group_name, TCPStore)` given
+  to `_new_process_group_helper`; engine i's ranks at offset 1 + sum of earlier engines' TP
+  sizes). Per bucket the sender asks each engine to receive, then broadcasts the flat bucket.
+
+Engine actor handles arrive as plain data and are called by method name; this module imports
+nothing from rollout or SGLang. Where it departs from verl/slime: no rank ever holds the whole
+model, and pipeline stages sync in parallel instead of through a PP broadcast.
 """
 from __future__ import annotations
 
+import io
+import logging
+import queue
+import threading
+import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing  # registers torch's tensor reductions with ForkingPickler
 
 NamedTensor = tuple[str, torch.Tensor]
+
+logger = logging.getLogger(__name__)
+
+#: Metadata of one tensor inside a flat bucket: (HF name, dtype name, shape, byte offset).
+Slot = tuple[str, str, tuple[int, ...], int]
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -42,3 +72,281 @@ def bucket_by_bytes(named_tensors: Iterable[NamedTensor], bucket_bytes: int) -> 
         size += n
     if bucket:
         yield bucket
+
+
+@dataclass
+class Bucket:
+    """HF tensors packed back to back in one flat byte buffer."""
+
+    index: int
+    flat: torch.Tensor  # (nbytes,) uint8
+    slots: list[Slot] = field(default_factory=list)
+
+    def named_tensors(self) -> list[NamedTensor]:
+        """Views of the buffer, one per tensor (no copy)."""
+        out = []
+        for name, dtype, shape, off in self.slots:
+            dt = getattr(torch, dtype)
+            n = int(torch.Size(shape).numel()) * dt.itemsize
+            out.append((name, self.flat[off:off + n].view(dt).view(shape)))
+        return out
+
+
+class MemoryMeter:
+    """Live extra bytes at the sender (bucket buffers + the tensor being gathered) and their peak."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.live = 0
+        self.peak = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.live += n
+            self.peak = max(self.peak, self.live)
+
+
+def stream_buckets(named: Iterator[NamedTensor], bucket_bytes: int, meter: MemoryMeter) -> Iterator[Bucket]:
+    """Pack a (name, tensor) stream into buckets of at most `bucket_bytes` (a bigger tensor alone).
+
+    Each tensor is copied into the buffer and dropped at once; the meter counts each gathered
+    tensor while it lives and each buffer until the consumer releases it (`meter.add(-nbytes)`).
+    """
+    pending: list[NamedTensor] = []
+    size = 0
+    index = 0
+
+    def flush() -> Bucket:
+        flat = torch.empty(size, dtype=torch.uint8, device=pending[0][1].device)
+        meter.add(size)
+        b = Bucket(index, flat)
+        off = 0
+        for name, t in pending:
+            n = tensor_bytes(t)
+            flat[off:off + n].copy_(t.reshape(-1).view(torch.uint8))
+            b.slots.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), off))
+            off += n
+            meter.add(-n)
+        return b
+
+    for name, tensor in named:
+        n = tensor_bytes(tensor)
+        meter.add(n)
+        if pending and size + n > bucket_bytes:
+            yield flush()
+            index += 1
+            pending, size = [], 0
+        pending.append((name, tensor))
+        size += n
+    if pending:
+        yield flush()
+
+
+def serialize(obj: Any) -> bytes:
+    """Pickle with torch's multiprocessing reductions (tensors by shared handle, not by value).
+
+    CPU tensors go by shared-memory name (`file_system` strategy); CUDA tensors by IPC handle,
+    their device given as its UUID (the receiving engine maps it back to its own device index).
+    """
+    from multiprocessing.reduction import ForkingPickler
+
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    buf = io.BytesIO()
+    pickler = ForkingPickler(buf)
+    pickler.dispatch_table = dict(pickler.dispatch_table)  # this pickler only
+    pickler.dispatch_table[torch.Tensor] = _reduce_tensor
+    pickler.dump(obj)
+    return buf.getvalue()
+
+
+def _reduce_tensor(t: torch.Tensor):
+    from torch.multiprocessing import reductions
+
+    fn, args = reductions.reduce_tensor(t)
+    if t.is_cuda:  # argument 6 of rebuild_cuda_tensor is the device index
+        args = (*args[:6], str(torch.cuda.get_device_properties(args[6]).uuid), *args[7:])
+    return fn, args
+
+
+def init_sender_group(master_address: str, master_port: int, world_size: int, group_name: str,
+                      backend: str) -> dist.ProcessGroup:
+    """Create a process group as its rank 0 the way SGLang's engine ranks join it (TCPStore
+    served here, keys under `PrefixStore(group_name, ...)`, `_new_process_group_helper`)."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=True,
+                          timeout=dist.constants.default_pg_timeout)
+    pg, _ = _new_process_group_helper(world_size, 0, [], Backend(backend), PrefixStore(group_name, store),
+                                      group_name=group_name, timeout=dist.constants.default_pg_timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def send_buckets(buckets: Iterator[Bucket], ship, meter: MemoryMeter) -> int:
+    """Run `ship(bucket)` in a sender thread while the caller's iterator builds the next bucket;
+    at most two buckets are alive at once. Returns the number of buckets shipped."""
+    slots = threading.Semaphore(2)
+    q: queue.Queue = queue.Queue()
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        while (b := q.get()) is not None:
+            try:
+                if not errors:
+                    ship(b)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                errors.append(e)
+            finally:
+                meter.add(-b.flat.numel())
+                del b
+                slots.release()
+
+    thread = threading.Thread(target=worker, name="weight-sender", daemon=True)
+    thread.start()
+    count = 0
+    try:
+        it = iter(buckets)
+        while True:
+            slots.acquire()  # a third bucket waits until the oldest one has been shipped
+            b = next(it, None)
+            if b is None or errors:
+                slots.release()
+                break
+            q.put(b)
+            del b
+            count += 1
+    finally:
+        q.put(None)
+        thread.join()
+    if errors:
+        raise errors[0]
+    return count
+
+
+def send_stage(tensors: Iterator[NamedTensor], *, bucket_bytes: int, ship, checksums: bool) -> dict[str, Any]:
+    """Bucket a stage's HF tensor stream and ship every bucket (see `send_buckets`). Returns seconds,
+    bytes, buckets, peak_extra_bytes and, with `checksums`, per-tensor `stats` (see `tensor_stats`)."""
+    meter = MemoryMeter()
+    t0 = time.perf_counter()
+    stats: dict[str, list[float]] = {}
+    nbytes = 0
+
+    def counted() -> Iterator[NamedTensor]:
+        nonlocal nbytes
+        for name, t in tensors:
+            if checksums:
+                stats[name] = tensor_stats(t)
+            nbytes += tensor_bytes(t)
+            yield name, t
+
+    n = send_buckets(stream_buckets(counted(), bucket_bytes, meter), ship, meter)
+    return {"seconds": time.perf_counter() - t0, "bytes": float(nbytes), "buckets": float(n),
+            "peak_extra_bytes": float(meter.peak), "stats": stats}
+
+
+def tensor_stats(t: torch.Tensor, chunk: int = 1 << 20) -> list[float]:
+    """[sum, abs_sum, sum_of_squares] in float64, a chunk at a time (no float64 copy of the tensor).
+    The engine's probe (`rollout.engines.weight_probe`) computes the same on what it serves."""
+    acc = [0.0, 0.0, 0.0]
+    flat = t.detach().reshape(-1)
+    for i in range(0, flat.numel(), chunk):
+        d = flat[i:i + chunk].double()
+        acc[0] += float(d.sum())
+        acc[1] += float(d.abs().sum())
+        acc[2] += float((d * d).sum())
+    return acc
+
+
+class WeightSender:
+    """One Megatron rank's side of weight sync (held by the actor role, driven by `recipe.weight_sync`).
+
+    Only data-parallel replica 0 exports. In each pipeline stage the TP ranks gather every tensor
+    to the rank(s) that send it; engine handles come in `plan` and are called by method name.
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[str, dist.ProcessGroup] = {}  # distributed path, by group name
+
+    @staticmethod
+    def _position() -> tuple[int, int, int]:
+        from megatron.core import parallel_state as mpu
+
+        return (mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank(),
+                mpu.get_data_parallel_rank())
+
+    def endpoint(self) -> dict[str, Any] | None:
+        """On each stage's distributed-path sender (TP rank 0, DP rank 0): its stage, an address and
+        free port to host a group on, and torch.distributed's backend. None on other ranks."""
+        import ray
+
+        from megatron_workers.ports import free_port
+
+        tp_rank, stage, dp_rank = self._position()
+        if tp_rank or dp_rank:
+            return None
+        return {"stage": stage, "address": ray.util.get_node_ip_address(), "port": free_port(""),
+                "backend": dist.get_backend()}
+
+    def init_groups(self, groups: dict[int, dict[str, Any]]) -> None:
+        """Host this stage's group (`groups[stage]`: address, port, world_size, group_name, backend)."""
+        tp_rank, stage, dp_rank = self._position()
+        g = groups.get(stage)
+        if g is None or tp_rank or dp_rank:
+            return
+        self._groups[g["group_name"]] = init_sender_group(g["address"], g["port"], g["world_size"],
+                                                          g["group_name"], g["backend"])
+
+    def destroy_groups(self) -> None:
+        for pg in self._groups.values():
+            dist.destroy_process_group(pg)
+        self._groups.clear()
+
+    def send(self, module: torch.nn.Module, hf_config: Any, plan: dict[str, Any]) -> dict[str, Any] | None:
+        """Export this stage's tensors and ship them by `plan["mode"]`:
+
+        - "tensor": `plan["serializers"][tp_rank]` lists the (engine index, engine TP rank) copies this
+          TP rank serializes; `plan["engines"]` are the engine actor handles.
+        - "distributed": the stage sender broadcasts over `plan["groups"][stage]` (a group name).
+        - "stats": ship nothing (expected checksums for a sync done another way, e.g. from disk).
+
+        Also `bucket_bytes`, `dtype` (engine dtype name), `key` (unique per sync), `checksums` (bool).
+        Returns metrics on ranks that received tensors, None elsewhere.
+        """
+        from megatron_workers.model import iter_stage_hf_tensors
+
+        tp_rank, stage, dp_rank = self._position()
+        if dp_rank:
+            return None
+        mode, engines = plan["mode"], plan.get("engines", [])
+        if mode == "tensor":
+            serializers = {int(k): v for k, v in plan["serializers"].items()}
+            mine = serializers.get(tp_rank, [])
+            dst = 0 if set(serializers) <= {0} else None  # gather to TP rank 0 when it serializes every copy
+        else:
+            mine, dst = [], 0
+        tensors = iter_stage_hf_tensors(module, hf_config, dst_tp_rank=dst, dtype=getattr(torch, plan["dtype"]))
+        if mode == "tensor":
+            def ship(b: Bucket) -> None:
+                import ray
+
+                named = b.named_tensors()
+                key = f"{plan['key']}/stage{stage}/bucket{b.index}"
+                ray.get([engines[i].load_payload.remote(key, r, serialize(named)) for i, r in mine])
+        elif mode == "distributed":
+            pg = self._groups.get(plan["groups"][stage]) if tp_rank == 0 else None
+
+            def ship(b: Bucket) -> None:
+                import ray
+
+                names, dtypes, shapes = [s[0] for s in b.slots], [s[1] for s in b.slots], [list(s[2]) for s in b.slots]
+                refs = [e.update_weights_from_distributed.remote(names, dtypes, shapes, group_name=plan["groups"][stage])
+                        for e in engines]
+                dist.broadcast(b.flat, src=0, group=pg)
+                ray.get(refs)
+        elif mode == "stats":
+            def ship(b: Bucket) -> None:
+                pass
+        else:
+            raise ValueError(f"weight sync mode {mode!r} is not one of tensor, distributed, stats")
+        out = send_stage(tensors, bucket_bytes=plan["bucket_bytes"], ship=ship, checksums=plan.get("checksums", False))
+        return out if out["bytes"] else None

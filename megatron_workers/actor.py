@@ -463,3 +463,28 @@ class MegatronActor(MegatronRunner):
         """One pass of masked cross-entropy on the response tokens (`response_mask` = 1)."""
         validate_batch(batch)
         return self._train(batch, sft_loss, num_mini_batches, 1, "sft")
+
+    # -- weight sync (driven by recipe.weight_sync; engine handles arrive as plain data) ----------
+
+    def weight_sync_endpoint(self) -> Optional[dict[str, Any]]:
+        """Distributed path: where this stage's sender hosts its group (None on non-senders)."""
+        return self._weight_sender.endpoint()
+
+    def init_weight_sync_groups(self, groups: dict[int, dict[str, Any]]) -> None:
+        """Distributed path: each stage's sender hosts the group the engines join (`WeightSender.init_groups`)."""
+        self._weight_sender.init_groups(groups)
+
+    def destroy_weight_sync_groups(self) -> None:
+        self._weight_sender.destroy_groups()
+
+    def send_weights(self, plan: dict[str, Any]) -> Optional[dict[str, Any]]:
+        """Stream this stage's weights to the engines (`WeightSender.send`); collective over the TP group."""
+        return self._weight_sender.send(self.module, self.hf_config, plan)
+
+    @functools.cached_property
+    def _weight_sender(self) -> "WeightSender":
+        from megatron_workers.weights import WeightSender
+
+        return WeightSender()
+
+    # -- end of weight sync ------------------------------------------------------------------------

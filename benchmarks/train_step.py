@@ -105,7 +105,7 @@ def run(model_dir: Path, batch: dict[str, torch.Tensor], repeats: int, threads: 
     try:
         # Both thread pools: the group's CPU default (1) for MKL would leave its matmuls single-threaded.
         threads_env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-        group = MegatronWorkerGroup(ParallelLayout(), num_cpus_per_rank=1, env_vars=threads_env)
+        group = MegatronWorkerGroup(ParallelLayout(), [{"num_cpus": 1}], env_vars=threads_env)
         try:
             group.build(functools.partial(MegatronActor, str(model_dir), cfg))
             return timed_alternating(

@@ -1,7 +1,9 @@
 """A TP x PP x DP group of Ray actors, one per Megatron rank, and batch dispatch over it.
 
-`MegatronWorkerGroup` reserves one placement-group bundle per rank, starts one `RankWorker`
-Ray actor in each, lets rank 0 choose the rendezvous address, and initialises
+`MegatronWorkerGroup` starts one `RankWorker` Ray actor per rank with the Ray options the caller
+gives it (a run's come from `recipe.placement`: the rank's placement-group bundle and its GPU /
+CPU share; the group itself reserves nothing), lets rank 0 choose the rendezvous address, and
+initialises
 torch.distributed (NCCL with GPUs, gloo without) plus Megatron's parallel state through
 `megatron_workers.parallel` in every actor. Each actor then builds a *role* object (the
 actor, reference or critic of `actor.py` / `critic.py`) from a picklable factory, and the
@@ -27,12 +29,10 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import ray
 import torch
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import cpu_standins
 from megatron_workers import cpu_compat
@@ -72,6 +72,8 @@ class RankInfo:
     pp_rank: int
     dp_rank: int
     is_collector: bool  # last pipeline stage and TP rank 0: its outputs are the group's outputs
+    node_id: str  # the Ray node this rank runs on
+    gpu_ids: tuple[int, ...]  # the GPU ids Ray assigned to this rank (empty without GPUs)
 
 
 class RankWorker:
@@ -102,6 +104,8 @@ class RankWorker:
             pp_rank=mpu.get_pipeline_model_parallel_rank(),
             dp_rank=mpu.get_data_parallel_rank(),
             is_collector=mpu.is_pipeline_last_stage() and mpu.get_tensor_model_parallel_rank() == 0,
+            node_id=ray.get_runtime_context().get_node_id(),
+            gpu_ids=tuple(int(i) for i in ray.get_gpu_ids()),
         )
 
     def build_role(self, factory: Callable[[], Any]) -> None:
@@ -156,85 +160,61 @@ def concat_results(results: list[Batch]) -> Batch:
 class MegatronWorkerGroup:
     """TP x PP x DP Ray actors running Megatron-Core, driven from the caller's process.
 
-    `ray.init` must have been called. The layout is checked against the cluster's resources
-    (and against `hf_config` when given, through `parallel.validate_layout`) before any actor
-    starts. With GPUs every rank takes one GPU; without, every rank takes `num_cpus_per_rank`
-    CPUs (fractions allowed, so `ray.init(num_cpus=2)` can host 8 ranks).
+    `ray.init` must have been called. `rank_options[r]` are rank r's Ray actor options
+    (`scheduling_strategy`, `num_cpus`, `num_gpus`, `runtime_env`), e.g. from
+    `recipe.placement.Placement.rank_options`; the group adds the repository (and the CPU import
+    stand-ins when active) to each rank's PYTHONPATH. Without `rank_options` (tests, benchmarks)
+    every rank is an unplaced actor with `UNPLACED_RANK_OPTIONS`. The layout is checked against
+    `hf_config` (when given, through `parallel.validate_layout`) before any actor starts.
     """
+
+    UNPLACED_RANK_OPTIONS: dict[str, Any] = {"num_cpus": 0.25}
 
     def __init__(
         self,
         layout: ParallelLayout,
+        rank_options: Optional[Sequence[dict[str, Any]]] = None,
         *,
         hf_config: Any = None,
         seed: int = 0,
-        num_cpus_per_rank: float = 0.25,
-        use_gpu: Optional[bool] = None,
         env_vars: Optional[dict[str, str]] = None,
-        ready_timeout_s: float = 60.0,
+        ready_timeout_s: float = 120.0,
     ) -> None:
         if not ray.is_initialized():
             raise RuntimeError("ray is not initialised: call ray.init(...) before MegatronWorkerGroup")
         self.layout = layout
-        use_gpu = torch.cuda.is_available() if use_gpu is None else use_gpu
         if hf_config is not None:
             from megatron_workers.parallel import validate_layout
 
             validate_layout(hf_config, layout.tp, layout.pp)
-        self._check_resources(use_gpu, num_cpus_per_rank)
-
-        bundle = {"CPU": num_cpus_per_rank, **({"GPU": 1} if use_gpu else {})}
-        self._pg = placement_group([dict(bundle) for _ in range(layout.world_size)], strategy="PACK")
-        ready, _ = ray.wait([self._pg.ready()], timeout=ready_timeout_s)
-        if not ready:
-            remove_placement_group(self._pg)
-            raise RuntimeError(
-                f"placement group for {layout.world_size} ranks x {bundle} was not ready after "
-                f"{ready_timeout_s:.0f}s: the cluster cannot place the layout {layout}; free "
-                "resources or reduce tp * pp * dp"
-            )
+        if rank_options is None:
+            rank_options = [dict(self.UNPLACED_RANK_OPTIONS) for _ in range(layout.world_size)]
+        if len(rank_options) != layout.world_size:
+            raise ValueError(f"{len(rank_options)} rank_options for a layout of {layout.world_size} ranks ({layout})")
 
         cpu_standins.activate()  # puts the CPU import stand-ins on PYTHONPATH (no-op with GPUs)
         env = {
-            "PYTHONPATH": os.pathsep.join(
-                p for p in [str(_REPO_ROOT), os.environ.get("PYTHONPATH", "")] if p
-            ),
-            **({} if use_gpu else {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}),
+            "PYTHONPATH": os.pathsep.join(p for p in [str(_REPO_ROOT), os.environ.get("PYTHONPATH", "")] if p),
             **(env_vars or {}),
         }
         remote_cls = ray.remote(RankWorker)
-        self._workers = [
-            remote_cls.options(
-                num_cpus=num_cpus_per_rank,
-                num_gpus=1 if use_gpu else 0,
-                runtime_env={"env_vars": env},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._pg, placement_group_bundle_index=i
-                ),
-            ).remote(i, layout.world_size)
-            for i in range(layout.world_size)
-        ]
-        addr, port = ray.get(self._workers[0].rendezvous_address.remote())
+        self._workers = []
+        for i, opts in enumerate(rank_options):
+            runtime_env = dict(opts.get("runtime_env") or {})
+            runtime_env["env_vars"] = {**env, **runtime_env.get("env_vars", {})}
+            self._workers.append(remote_cls.options(**{**opts, "runtime_env": runtime_env}).remote(i, layout.world_size))
+        try:
+            addr, port = ray.get(self._workers[0].rendezvous_address.remote(), timeout=ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self._kill()
+            raise RuntimeError(
+                f"Megatron rank 0 did not start within {ready_timeout_s:.0f}s: the Ray cluster cannot place it "
+                f"with {rank_options[0]}; place the ranks with recipe.placement, or free resources"
+            ) from None
         self.ranks: list[RankInfo] = ray.get(
             [w.init_distributed.remote(addr, port, layout.tp, layout.pp, seed) for w in self._workers]
         )
         logger.info("started %d Megatron ranks (%s) at %s:%d", layout.world_size, layout, addr, port)
-
-    def _check_resources(self, use_gpu: bool, num_cpus_per_rank: float) -> None:
-        total = ray.cluster_resources()
-        need_gpu = self.layout.world_size if use_gpu else 0
-        if need_gpu > total.get("GPU", 0):
-            raise RuntimeError(
-                f"layout {self.layout} needs {need_gpu} GPUs (one per rank) but the Ray cluster "
-                f"has {total.get('GPU', 0):g}; reduce tp * pp * dp or add GPUs"
-            )
-        need_cpu = self.layout.world_size * num_cpus_per_rank
-        if need_cpu > total.get("CPU", 0):
-            raise RuntimeError(
-                f"layout {self.layout} needs {need_cpu:g} CPUs ({num_cpus_per_rank:g} per rank) but "
-                f"the Ray cluster has {total.get('CPU', 0):g}; lower num_cpus_per_rank or raise "
-                "ray.init(num_cpus=...)"
-            )
 
     @property
     def world_size(self) -> int:
@@ -265,11 +245,13 @@ class MegatronWorkerGroup:
         return [by_dp[d] for d in range(self.layout.dp)]
 
     def shutdown(self) -> None:
-        """Tear down process groups, kill the actors and free the placement group."""
+        """Tear down process groups and kill the actors (their placement groups are the caller's)."""
         try:
             ray.get([w.shutdown.remote() for w in self._workers], timeout=30)
         except Exception:  # a dead actor cannot tear down; killing it below is enough
             logger.warning("some ranks failed to shut down cleanly", exc_info=True)
+        self._kill()
+
+    def _kill(self) -> None:
         for w in self._workers:
             ray.kill(w)
-        remove_placement_group(self._pg)

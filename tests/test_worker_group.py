@@ -48,8 +48,9 @@ def ray_cluster(tmp_path_factory):
 
 @pytest.mark.integration
 def test_layouts_that_do_not_fit_are_refused_before_any_actor_starts(ray_cluster, tiny_model_dir):
-    """Contract: TP not dividing the heads, PP not dividing the layers, or more ranks than the
-    cluster can hold are refused with a clear error, and no actor or placement group is left."""
+    """Contract: TP not dividing the heads or PP not dividing the layers is refused with a clear
+    error before any actor starts, and rank options the cluster cannot place are refused after a
+    timeout with no actor left (a run's options come from recipe.placement, checked before Ray)."""
     import ray
     from transformers import AutoConfig
 
@@ -60,11 +61,10 @@ def test_layouts_that_do_not_fit_are_refused_before_any_actor_starts(ray_cluster
         MegatronWorkerGroup(ParallelLayout(tp=3), hf_config=hf_config)
     with pytest.raises(ValueError, match="num_hidden_layers=2 is not divisible by pp=4"):
         MegatronWorkerGroup(ParallelLayout(pp=4), hf_config=hf_config)
-    with pytest.raises(RuntimeError, match="needs 4 CPUs .* the Ray cluster has 2"):
-        MegatronWorkerGroup(ParallelLayout(tp=2, dp=2), num_cpus_per_rank=1.0)
-    with pytest.raises(RuntimeError, match="needs 2 GPUs"):
-        MegatronWorkerGroup(ParallelLayout(tp=2), use_gpu=True)
-    assert not ray.util.placement_group_table()
+    with pytest.raises(RuntimeError, match="rank 0 did not start within 2s"):
+        MegatronWorkerGroup(ParallelLayout(tp=2), [{"num_cpus": 0.25, "num_gpus": 1}] * 2, ready_timeout_s=2)
+    with pytest.raises(ValueError, match="1 rank_options for a layout of 2 ranks"):
+        MegatronWorkerGroup(ParallelLayout(tp=2), [{"num_cpus": 0.25}])
     assert ray.available_resources().get("CPU") == 2  # no actor holds a CPU share
 
 
@@ -73,7 +73,6 @@ class Probe:
 
     def where(self) -> dict:
         import importlib.util
-        import os
 
         import torch.distributed as dist
         from megatron.core import parallel_state as mpu
@@ -82,7 +81,6 @@ class Probe:
         dist.all_reduce(t)
         return {
             "flash_mla": importlib.util.find_spec("flash_mla").origin,  # the CPU stand-in without a GPU
-            "omp": os.environ.get("OMP_NUM_THREADS"),
             "world_sum": float(t),
             "tp_world": mpu.get_tensor_model_parallel_world_size(),
         }
@@ -99,17 +97,17 @@ def test_group_wires_ranks_and_dispatches_by_dp_rank(ray_cluster):
     import cpu_standins
     from megatron_workers.worker_group import MegatronWorkerGroup
 
-    group = MegatronWorkerGroup(ParallelLayout(tp=2, dp=2), num_cpus_per_rank=0.25)
+    group = MegatronWorkerGroup(ParallelLayout(tp=2, dp=2))
     try:
         coords = sorted((r.tp_rank, r.pp_rank, r.dp_rank) for r in group.ranks)
         assert coords == [(0, 0, 0), (0, 0, 1), (1, 0, 0), (1, 0, 1)]
         assert sum(r.is_collector for r in group.ranks) == 2
+        assert len({r.node_id for r in group.ranks}) == 1 and all(r.gpu_ids == () for r in group.ranks)
         group.build(Probe)
         seen = group.call_all("where")
         assert all(s["world_sum"] == 6.0 and s["tp_world"] == 2 for s in seen)
         if not torch.cuda.is_available():
             assert all(s["flash_mla"].startswith(str(cpu_standins.STANDIN_DIR)) for s in seen)
-            assert all(s["omp"] == "1" for s in seen)
         batch = {"x": torch.arange(8)}
         out = group.dispatch("echo", batch)
         assert [o["x"].tolist() for o in out] == [[0, 1, 2, 3], [4, 5, 6, 7]]

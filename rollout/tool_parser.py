@@ -1,17 +1,21 @@
-"""Tool-call parsing of one assistant turn with SGLang's own `FunctionCallParser`.
+"""Tool-call parsing of one assistant turn, on the whole text, with SGLang's format rules.
 
-The model's text is split at each call trigger of the configured format (`<tool_call>` for
-`qwen25` / `hermes`) and every block is parsed by SGLang's detector for that format, so the
-format rules are SGLang's, not a second copy of them. Each block becomes either a call ready
-to run or a `MalformedCall` with a kind and a message that is fed back to the model as a
-tool-role message (and counted as a metric); nothing the model writes raises.
+For the tag formats (`qwen25`, `hermes`: `<tool_call>` ... `</tool_call>`) the whole turn is
+scanned once: at each opening tag outside a call, the JSON value that follows is decoded
+(so a `<tool_call>` or `</tool_call>` inside a JSON string argument, e.g. code that prints the
+tag, belongs to the argument), then the closing tag is expected. Whitespace around the JSON is
+free, as in verl's hermes parser: no newline after the tag, CRLF, tabs. A call object is read
+as SGLang's detectors read it (`name`, `arguments` or `parameters`; a JSON list holds several
+calls). Formats without a literal start tag go to SGLang's `FunctionCallParser` on the whole
+text.
 
-Where it departs from calling `FunctionCallParser.parse_non_stream` on the whole text: that
-call silently drops blocks with bad JSON and calls to unknown tools (it only logs a
-warning), which is how "tools silently never called" happens in RL. Parsing block by block
-lets us say which block failed and why: `bad_json`, `unknown_tool`, `bad_arguments` (do not
-fit the tool's JSON schema) or `unparsed` (the block is not in the format's shape, e.g. a
-missing closing tag).
+Every call attempt becomes either a call ready to run or a `MalformedCall` with a kind and a
+message that is fed back to the model as a tool-role message (and counted as a metric);
+nothing the model writes raises. Where it departs from `FunctionCallParser.parse_non_stream`:
+that call silently drops blocks with bad JSON and calls to unknown tools (it only logs a
+warning), which is how "tools silently never called" happens in RL. Here each failure says
+why: `bad_json`, `unknown_tool`, `bad_arguments` (do not fit the tool's JSON schema) or
+`unparsed` (the block is not closed, or not in the format's shape).
 """
 from __future__ import annotations
 
@@ -26,6 +30,8 @@ from sglang.srt.function_call.function_call_parser import FunctionCallParser
 from rollout.tools.schemas import OpenAIFunctionCallSchema, OpenAIFunctionToolSchema
 
 logger = logging.getLogger(__name__)
+
+_DECODER = json.JSONDecoder()
 
 # Every tool-call format name SGLang's FunctionCallParser knows (the `multi_turn.format` choices).
 SUPPORTED_FORMATS = tuple(sorted(FunctionCallParser.ToolCallParserEnum))
@@ -89,38 +95,61 @@ class ToolCallParser:
         """Parse one assistant turn's text. Never raises on model output."""
         if not self.schemas:
             return ParsedTurn(text=text, calls=[])
-        if not self._trigger:
-            return ParsedTurn(text=text, calls=self._parse_block(text, whole=True))
+        if self._trigger != "<tool_call>":
+            return ParsedTurn(text=text, calls=self._parse_whole(text))
         first = text.find(self._trigger)
         if first == -1:
             return ParsedTurn(text=text, calls=[])
         calls: list[ParsedCall | MalformedCall] = []
-        starts = []
         pos = first
         while pos != -1:
-            starts.append(pos)
-            pos = text.find(self._trigger, pos + len(self._trigger))
-        for i, start in enumerate(starts):
-            end = starts[i + 1] if i + 1 < len(starts) else len(text)
-            calls.extend(self._parse_block(text[start:end], whole=False))
+            items, end = self._scan_call(text, pos)
+            calls.extend(items)
+            pos = text.find(self._trigger, end)
         return ParsedTurn(text=text[:first].strip(), calls=calls)
 
-    # ---- one block ---------------------------------------------------------------------
-
-    def _parse_block(self, block: str, whole: bool) -> list[ParsedCall | MalformedCall]:
+    def _scan_call(self, text: str, start: int) -> tuple[list[ParsedCall | MalformedCall], int]:
+        """The call opened at `start`: (its calls, or why it is malformed; where scanning goes on)."""
+        body = start + len(self._trigger)
+        value_at = len(text) - len(text[body:].lstrip())
         try:
-            _, items = self._parser.parse_non_stream(block)
-        except Exception as exc:  # SGLang's detectors raise on some non-object JSON (e.g. a bare list of ints)
-            logger.debug("SGLang parser raised on a tool-call block: %r", exc)
-            items = []
-        if not items:
-            return [] if whole else [self._diagnose(block)]
-        out: list[ParsedCall | MalformedCall] = []
-        for item in items:
-            out.append(self._check(item.name, item.parameters, block))
-        return out
+            obj, value_end = _DECODER.raw_decode(text, value_at)
+        except (json.JSONDecodeError, RecursionError):
+            obj, value_end = None, -1
+        if value_end != -1:
+            close_at = len(text) - len(text[value_end:].lstrip())
+            if text.startswith(self._end, close_at):
+                end = close_at + len(self._end)
+                return self._calls_of(obj, text[start:end]), end
+        # Not a JSON value followed by the closing tag: the block runs to the next tag of either kind.
+        nxt = [i for i in (text.find(self._end, body), text.find(self._trigger, body)) if i != -1]
+        end = min(nxt) if nxt else len(text)
+        if text.startswith(self._end, end):
+            end += len(self._end)
+        return [self._diagnose(text[start:end])], end
 
-    def _check(self, name: str | None, parameters: str, block: str) -> ParsedCall | MalformedCall:
+    def _calls_of(self, obj: Any, block: str) -> list[ParsedCall | MalformedCall]:
+        """The calls of one decoded block (an object, or a list of objects as SGLang accepts)."""
+        objs = obj if isinstance(obj, list) else [obj]
+        if not objs or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in objs):
+            return [MalformedCall(
+                "bad_json", None,
+                f"Error: a tool call must be a JSON object with a string \"name\" and an \"arguments\" object. "
+                f"Write a call as {self._example}.", block)]
+        return [self._check(o["name"], o.get("parameters") or o.get("arguments", {}), block) for o in objs]
+
+    # ---- checks ------------------------------------------------------------------------
+
+    def _parse_whole(self, text: str) -> list[ParsedCall | MalformedCall]:
+        """Formats without a literal start tag: SGLang's parser on the whole text."""
+        try:
+            _, items = self._parser.parse_non_stream(text)
+        except Exception as exc:  # SGLang's detectors raise on some non-object JSON (e.g. a bare list of ints)
+            logger.debug("SGLang parser raised on a turn: %r", exc)
+            items = []
+        return [self._check(item.name, item.parameters, text) for item in items]
+
+    def _check(self, name: str | None, parameters: Any, block: str) -> ParsedCall | MalformedCall:
         if not name or name not in self.schemas:
             return self._unknown(name, block)
         call, decode_error = OpenAIFunctionCallSchema.from_raw(name, parameters)
@@ -144,34 +173,19 @@ class ToolCallParser:
         )
 
     def _diagnose(self, block: str) -> MalformedCall:
-        """Say why SGLang's detector produced no call for a block that starts with the trigger."""
+        """Why a block opened by the tag holds no call: not closed, or not one JSON value before the close."""
         body = block[len(self._trigger):]
-        end = body.find(self._end) if self._end else -1
+        end = body.find(self._end)
         if end == -1:
             return MalformedCall(
                 "unparsed", None,
                 f"Error: tool call is not closed with {self._end!r}. Write a call as {self._example}.", block,
             )
-        body = body[:end].strip()
         try:
-            obj = json.loads(body)
+            json.loads(body[:end])
+            msg = "text after the JSON value"
         except (json.JSONDecodeError, RecursionError) as exc:
             msg = exc.msg if isinstance(exc, json.JSONDecodeError) else "nesting too deep"
-            return MalformedCall(
-                "bad_json", None, f"Error: tool call is not valid JSON ({msg}). Write a call as {self._example}.", block
-            )
-        objs = obj if isinstance(obj, list) else [obj]
-        for o in objs:
-            if not isinstance(o, dict) or not isinstance(o.get("name"), str):
-                return MalformedCall(
-                    "bad_json", None,
-                    f"Error: a tool call must be a JSON object with a string \"name\" and an \"arguments\" object. "
-                    f"Write a call as {self._example}.", block,
-                )
-            if o["name"] not in self.schemas:
-                return self._unknown(o["name"], block)
-        # Valid JSON naming known tools, yet the detector took nothing: the layout is off (e.g. missing newlines).
         return MalformedCall(
-            "unparsed", objs[0]["name"] if objs else None,
-            f"Error: tool call is not in the expected layout. Write a call exactly as {self._example}.", block,
+            "bad_json", None, f"Error: tool call is not valid JSON ({msg}). Write a call as {self._example}.", block
         )

@@ -12,7 +12,7 @@ reads it, and the parts receive their sections as they are: `actor_rollout_ref.a
 Megatron rank's `ActorConfig` (megatron_workers.config) and the policy loss's
 `PolicyLossConfig` (recipe.algos) in one class; `critic` likewise with `ValueLossConfig`;
 `actor_rollout_ref.rollout` is the agent loop's `RolloutConfig` (rollout.config); `algorithm`
-is the estimators' `AlgorithmConfig`. Nothing below the entry point reads `config.a.b.c`.
+is the estimators' `AlgorithmConfig`; `reward` and `custom_reward_function` are recipe.reward's. Nothing below the entry point reads `config.a.b.c`.
 
 Where it departs from verl's config: there is one micro-batch size per role (Megatron's
 `ppo_micro_batch_size_per_gpu` also sizes the log-prob passes), the data-parallel size is
@@ -30,6 +30,7 @@ from typing import Any
 
 from megatron_workers.config import ActorConfig, WorkerConfig
 from recipe.algos import AlgorithmConfig, PolicyLossConfig, ValueLossConfig
+from recipe.reward import CustomRewardFunctionConfig, RewardConfig
 from rollout.config import RolloutConfig
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOGGERS = ("console", "wandb")
@@ -139,39 +140,6 @@ class ActorRolloutRefConfig:
 
 
 @dataclass
-class RewardConfig:
-    """`reward.*`: weights of the rewards a trajectory earns (recipe.reward combines them)."""
-
-    outcome_weight: float = 1.0
-    """The outcome score (data source's scorer or custom_reward_function), on the last sampled token."""
-    tool_weight: float = 1.0
-    """Each tool call's step reward, on the last token of the assistant turn that made the call."""
-    tool_final_weight: float = 0.0
-    """Each tool's final calc_reward (e.g. the best gsm8k score), on the last sampled token."""
-    interaction_weight: float = 0.0
-    """Each interaction score, on the last token of the assistant turn it graded."""
-
-
-@dataclass
-class CustomRewardFunctionConfig:
-    """`custom_reward_function.*` (verl's keys): the outcome scorer from a Python file instead of the registry."""
-
-    path: str | None = None
-    """Python file defining the function; None: the built-in scorer registered for each row's data_source."""
-    name: str = "compute_score"
-    """Function in that file: `compute_score(data_source, solution_str, ground_truth, extra_info, **reward_kwargs)`
-    returning a float or a dict with "score" (its other keys become `reward/extra/*` metrics)."""
-    reward_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments for the scorer, custom or built-in (e.g. {method: flexible} for gsm8k)."""
-
-    def __post_init__(self) -> None:
-        self.path = resolve_path(self.path, "custom_reward_function.path")
-        if not isinstance(self.reward_kwargs, dict):
-            raise ConfigError(f"custom_reward_function.reward_kwargs is {self.reward_kwargs!r}; give a mapping, "
-                              "e.g. custom_reward_function.reward_kwargs={method: flexible}")
-
-
-@dataclass
 class TrainerConfig:
     """`trainer.*`: run length, resources, logging."""
 
@@ -185,6 +153,9 @@ class TrainerConfig:
     """Steps to train."""
     seed: int = 0
     """Seed of the data order, the tiny model and the engines' sampling."""
+    rollout_timeout_s: float | None = None
+    """Wall-clock limit of one step's rollout: past it the agent loop is aborted and the step trains on what was
+    sampled so far; None: no limit."""
     default_local_dir: str = "outputs/run"
     """Output directory: metrics.jsonl, wandb files, the tiny model (CPU preset)."""
     n_gpus_per_node: int = 1
@@ -199,6 +170,8 @@ class TrainerConfig:
         for key in ("total_training_steps", "n_gpus_per_node", "nnodes"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"trainer.{key} is {getattr(self, key)}; it must be >= 1")
+        if self.rollout_timeout_s is not None and self.rollout_timeout_s <= 0:
+            raise ConfigError(f"trainer.rollout_timeout_s is {self.rollout_timeout_s}; it must be > 0 (or null)")
         self.default_local_dir = str(Path(self.default_local_dir).expanduser().resolve())
 
 
@@ -239,6 +212,7 @@ class PPOConfig:
         mt.tool_config_path = resolve_path(mt.tool_config_path, "actor_rollout_ref.rollout.multi_turn.tool_config_path")
         mt.interaction_config_path = resolve_path(
             mt.interaction_config_path, "actor_rollout_ref.rollout.multi_turn.interaction_config_path")
+        self.custom_reward_function.path = resolve_path(self.custom_reward_function.path, "custom_reward_function.path")
         mp = actor.megatron.tensor_model_parallel_size * actor.megatron.pipeline_model_parallel_size
         world = self.trainer.n_gpus_per_node * self.trainer.nnodes
         if world % mp:

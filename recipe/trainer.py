@@ -1,7 +1,8 @@
 """The RL loop: one `Trainer.step` is rollout -> rewards -> log-probs -> advantages -> update -> sync -> log.
 
 The trainer drives parts that live elsewhere and passes each only plain data: the agent loop
-(`rollout`) returns trajectories and a padded batch; `recipe.reward` scores them; Megatron worker
+(`rollout`) returns trajectories, the one record that crosses the seam; `recipe.reward` scores
+them and `recipe.batch.collate` pads them into tensors; Megatron worker
 groups (`megatron_workers`, Ray actors) return log-probs / values and take PPO updates whose loss
 functions come from `recipe.algos`; weights go back to every SGLang engine as HF-named tensors in
 byte-size buckets (`megatron_workers.weights`), each engine's weight version is bumped and its
@@ -16,6 +17,12 @@ Where it departs from verl's `RayPPOTrainer.fit`:
   reward or a loss: it is dropped, and so are a few more samples when needed for the batch to
   split evenly into mini-batches x DP ranks (`rollout/dropped_samples` counts both).
 - The rollout runs on one persistent asyncio loop owned by the trainer (tools keep per-loop state).
+  A rollout past `trainer.rollout_timeout_s`, or one still running when the trainer closes, is
+  aborted (`AgentLoop.abort`); the step trains on what was sampled.
+- ReMax's baseline is a greedy rollout of each prompt through the same agent loop (tools and
+  interactions included), rewarded like the samples; it is not trained on.
+- `training/rollout_probs_diff_{mean,max,std}` (verl's names) watch the gap between the engine's
+  and the actor's probabilities of each sampled token: |exp(old_log_prob) - exp(rollout_log_prob)|.
 """
 from __future__ import annotations
 
@@ -42,11 +49,12 @@ from recipe.algos import (
     policy_loss,
     value_loss,
 )
+from recipe.batch import collate
 from recipe.config_schema import PPOConfig
 from recipe.data.dataset import PromptBatch
-from recipe.reward import policy_text, score_trajectory
+from recipe.reward import RewardFn, RewardTerms, policy_text
 from recipe.tracking import Tracking
-from rollout.agent_loop import AgentLoop, RolloutOutput
+from rollout.agent_loop import AgentLoop, RolloutPrompt, rollout_metrics
 from rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -64,35 +72,32 @@ class Workers:
     engines: list[Any]  # rollout.engines.sglang_engine.SGLangEngine (weight-sync receive side)
 
 
-@dataclass
-class RewardTerms:
-    """Per-sample rewards of a batch, before they are placed on the token axis."""
-
-    outcome: torch.Tensor  # (B,) the data source's score of the final answer
-    tool_final: torch.Tensor  # (B,) sum over the sample's tools of their final calc_reward
-    tool: list[list[tuple[int, float]]]  # per sample: (response index of the calling turn's end, step reward)
-    interaction: list[list[tuple[int, float]]]  # per sample: (response index of the graded turn's end, score)
+def trainable(trajs: list[Trajectory], multiple: int) -> list[Trajectory]:
+    """Trajectories with at least one sampled token, cut to a multiple of `multiple` (in order)."""
+    keep = [t for t in trajs if any(t.response_mask)]
+    return keep[: len(keep) - len(keep) % multiple]
 
 
-def reward_terms(trajs: list[Trajectory], data_sources: dict[str, str]) -> RewardTerms:
-    """Score each trajectory and locate its tool and interaction rewards on the response axis."""
-    outcome, tool_final, tool, interaction = [], [], [], []
-    for t in trajs:
-        outcome.append(score_trajectory(data_sources[t.prompt_uid], t.messages, t.ground_truth))
-        tool_final.append(sum(t.tool_rewards.values()))
-        ends = [max(s.end - 1, 0) for s in t.turns if s.role == "assistant"]  # last token of each assistant turn
-        tool.append([(ends[c.turn], c.step_reward) for c in t.tool_calls if c.step_reward])
-        calling = {c.turn for c in t.tool_calls}
-        graded = [ends[k] for k in range(len(ends)) if k not in calling]  # the interaction answers non-calling turns
-        interaction.append(list(zip(graded, t.interaction_scores)))
-    return RewardTerms(torch.tensor(outcome, dtype=torch.float32), torch.tensor(tool_final, dtype=torch.float32),
-                       tool, interaction)
+async def rollout_with_timeout(agent_loop: AgentLoop, prompts: list[RolloutPrompt], timeout_s: float | None,
+                               greedy: bool = False) -> list[Trajectory]:
+    """`agent_loop.generate(prompts)`, aborted after `timeout_s` seconds (None: no limit); returns what was produced."""
+    task = asyncio.ensure_future(agent_loop.generate(prompts, greedy=greedy))
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        logger.warning("the rollout ran past trainer.rollout_timeout_s=%s; aborting it and training on what it "
+                       "sampled", timeout_s)
+        await agent_loop.abort()
+    return await task
 
 
-def trainable_rows(response_mask: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Indices of rows with at least one sampled token, cut to a multiple of `multiple` (in order)."""
-    rows = torch.nonzero(response_mask.sum(dim=1) > 0).flatten()
-    return rows[: len(rows) - len(rows) % multiple]
+def rollout_probs_diff(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
+                       response_mask: torch.Tensor) -> dict[str, float]:
+    """verl's `training/rollout_probs_diff_*`: |p_actor - p_engine| of each sampled token, all (B, T) inputs."""
+    diff = (old_log_probs.exp() - rollout_log_probs.exp()).abs()[response_mask.bool()]  # (N,)
+    if diff.numel() == 0:
+        return {}
+    return {"training/rollout_probs_diff_mean": float(diff.mean()), "training/rollout_probs_diff_max": float(diff.max()),
+            "training/rollout_probs_diff_std": float(diff.std()) if diff.numel() > 1 else 0.0}
 
 
 class Timer:
@@ -127,6 +132,7 @@ class Trainer:
         self.tracker = tracker
         self.weight_version = 0  # the engines start from the checkpoint the actor was built from
         self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_ctrl)
+        self.reward_fn = RewardFn(cfg.reward, cfg.custom_reward_function)
         self.policy_loss_fn = partial(policy_loss, cfg=cfg.actor_rollout_ref.actor)
         self.value_loss_fn = partial(value_loss, cfg=cfg.critic)
         prompts = cfg.data.train_batch_size
@@ -145,21 +151,23 @@ class Trainer:
         timer, algo = Timer(), self.cfg.algorithm
         with timer("step"):
             with timer("rollout"):
-                out = self._loop.run_until_complete(self.agent_loop.generate(prompts.prompts))
-            batch, trajs = self._trainable(out)
+                rolled = self._rollout(prompts.prompts)
+            rollout_m = {**rollout_metrics(rolled), **self.agent_loop.instance_metrics()}
+            trajs = trainable(rolled, self.row_multiple)
             if not trajs:
                 logger.warning("step %d: no trajectory with a sampled token; skipping the update", step)
-                self.tracker.log({**out.metrics, **timer.metrics}, step)
-                return out.metrics
+                self.tracker.log({**rollout_m, **timer.metrics}, step)
+                return rollout_m
+            batch = collate(trajs, self.agent_loop.pad_token_id)
             with timer("reward"):
-                terms = reward_terms(trajs, prompts.data_sources)
-                rw = self.cfg.reward
-                final = rw.outcome_weight * terms.outcome + rw.tool_final_weight * terms.tool_final  # (B,)
-                token_rewards = place_token_rewards(  # (B, T)
-                    batch["response_mask"], final, terms.tool, terms.interaction,
-                    tool_weight=rw.tool_weight, interaction_weight=rw.interaction_weight)
+                terms = self.reward_fn.terms(trajs)
+                token_rewards = self.reward_fn.token_rewards(terms, batch["response_mask"])  # (B, T)
+            if algo.adv_estimator == "remax":
+                with timer("rollout_greedy"):
+                    batch["reward_baselines"] = self._greedy_baselines(prompts.prompts, trajs)  # (B,)
             with timer("old_log_prob"):
                 batch["old_log_probs"] = self._infer(self.workers.actor, "compute_log_prob", batch)["log_probs"]
+            probs_diff = rollout_probs_diff(batch["old_log_probs"], batch["rollout_logprobs"], batch["response_mask"])
             if self.workers.ref is not None:
                 with timer("ref"):
                     batch["ref_log_probs"] = self._infer(self.workers.ref, "compute_log_prob", batch)["log_probs"]
@@ -173,7 +181,7 @@ class Trainer:
             with timer("adv"):
                 batch["advantages"], batch["returns"] = compute_advantage(AdvantageInputs(
                     token_rewards, batch["response_mask"], index=[t.prompt_uid for t in trajs],
-                    values=batch.get("values")), algo)
+                    values=batch.get("values"), reward_baselines=batch.get("reward_baselines")), algo)
             critic_metrics = {}
             if self.workers.critic is not None:
                 with timer("update_critic"):
@@ -185,20 +193,26 @@ class Trainer:
                     "update_policy", batch, mini_batches=self.actor_mini_batches, loss_fn=self.policy_loss_fn)[0]
             with timer("sync_weights"):
                 self.sync_weights()
-        metrics = {**out.metrics, **actor_metrics, **critic_metrics, **kl_metrics, **timer.metrics,
-                   **self._data_metrics(batch, token_rewards, terms, trajs, len(out.trajectories) - len(trajs))}
+        metrics = {**rollout_m, **actor_metrics, **critic_metrics, **kl_metrics, **probs_diff, **timer.metrics,
+                   **self._data_metrics(batch, token_rewards, terms, trajs, len(rolled) - len(trajs))}
         metrics["perf/tokens_per_s"] = float(batch["attention_mask"].sum()) / timer.metrics["timing/step_s"]
+        metrics["perf/rollout_tokens_per_s"] = rollout_m["rollout/sampled_tokens"] / timer.metrics["timing/rollout_s"]
         self.tracker.log(metrics, step)
         self._log_examples(trajs, terms, step)
         return metrics
 
     # ---- pieces of a step ----------------------------------------------------------------
 
-    def _trainable(self, out: RolloutOutput) -> tuple[Batch, list[Trajectory]]:
-        """The rollout's batch restricted to trajectories that can be trained on (see module doc)."""
-        rows = trainable_rows(out.batch["response_mask"], self.row_multiple)
-        batch = {k: v.index_select(0, rows) for k, v in out.batch.items()}
-        return batch, [out.trajectories[i] for i in rows.tolist()]
+    def _rollout(self, prompts: list[RolloutPrompt], greedy: bool = False) -> list[Trajectory]:
+        return self._loop.run_until_complete(
+            rollout_with_timeout(self.agent_loop, prompts, self.cfg.trainer.rollout_timeout_s, greedy=greedy))
+
+    def _greedy_baselines(self, prompts: list[RolloutPrompt], trajs: list[Trajectory]) -> torch.Tensor:
+        """(B,) ReMax baselines: each sample's prompt rolled out greedily, its weighted total reward."""
+        greedy = self._rollout(prompts, greedy=True)
+        totals = self.reward_fn.terms(greedy).totals(self.cfg.reward)  # (P,)
+        by_prompt = {t.prompt_uid: float(v) for t, v in zip(greedy, totals)}
+        return torch.tensor([by_prompt[t.prompt_uid] for t in trajs], dtype=torch.float32)
 
     @staticmethod
     def _infer(group: MegatronWorkerGroup, method: str, batch: Batch) -> Batch:
@@ -230,20 +244,25 @@ class Trainer:
         m.update(_stats("critic/rewards", token_rewards.sum(dim=1)))
         m.update(_stats("critic/advantages", batch["advantages"], mask))
         m.update(_stats("critic/returns", batch["returns"], mask))
-        if "values" in batch:
-            m.update(_stats("critic/values", batch["values"], mask))
-        m["reward/tool_mean"] = sum(r for steps in terms.tool for _, r in steps) / len(terms.tool)
-        m["reward/interaction_mean"] = sum(r for steps in terms.interaction for _, r in steps) / len(terms.interaction)
+        for key in ("values", "reward_baselines"):
+            if key in batch:
+                m.update(_stats(f"critic/{key}", batch[key], mask if key == "values" else None))
+        m.update(terms.metrics())
         m["response_length/sampled_mean"] = float(mask.sum(dim=1).float().mean())
         return m
 
     def _log_examples(self, trajs: list[Trajectory], terms: RewardTerms, step: int, k: int = 4) -> None:
-        rows = [[t.uid, t.finish_reason.value if t.finish_reason else None, float(terms.outcome[i]),
+        rows = [[t.uid, t.data_source, t.finish_reason.value if t.finish_reason else None, float(terms.outcome[i]),
                  policy_text(t.messages)[-500:]] for i, t in enumerate(trajs[:k])]
-        self.tracker.log_table("rollout/examples", ["uid", "finish_reason", "score", "response_tail"], rows, step)
+        self.tracker.log_table("rollout/examples", ["uid", "data_source", "finish_reason", "score", "response_tail"],
+                               rows, step)
 
     def close(self) -> None:
         """Stop the worker groups, close the tools and the metrics sinks (the engines are the caller's)."""
+        pending = [t for t in asyncio.all_tasks(self._loop) if not t.done()]
+        if pending:  # interrupted mid-rollout: abort it, so tools are released and interactions finalized
+            self._loop.run_until_complete(self.agent_loop.abort())
+            self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self._loop.run_until_complete(self.agent_loop.tools.aclose())
         self._loop.close()
         for group in (self.workers.actor, self.workers.ref, self.workers.critic):

@@ -39,7 +39,7 @@ from rollout.interactions.registry import InteractionRegistry
 from rollout.interactions.runner import InteractionRunner
 from rollout.tool_parser import MalformedCall, ParsedCall, ToolCallParser
 from rollout.tools.registry import ToolRegistry
-from rollout.trajectory import FinishReason, ToolCallRecord, Trajectory, TrajectoryStatus, collate
+from rollout.trajectory import FinishReason, ToolCallRecord, Trajectory, TrajectoryStatus, TurnScore
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +54,13 @@ class RolloutPrompt:
     messages: list[dict[str, Any]]  # the chat so far (system / user messages)
     tools_kwargs: dict[str, Any] = field(default_factory=dict)  # {tool: {create_kwargs, execute_kwargs, ...}}
     interaction_kwargs: dict[str, Any] = field(default_factory=dict)  # {"name": interaction, ...}; empty: no simulated user
+    data_source: str = ""  # the row's data_source (picks the outcome scorer)
     ground_truth: Any = None  # reward_model.ground_truth
     extra_info: dict[str, Any] = field(default_factory=dict)  # the row's extra_info
 
     @classmethod
     def from_row(cls, row: dict[str, Any], uid: str) -> RolloutPrompt:
-        """From a verl data row: `prompt`, `reward_model.ground_truth`, `extra_info.{tools,interaction}_kwargs`."""
+        """From a verl data row: `prompt`, `data_source`, `reward_model.ground_truth`, `extra_info.{tools,interaction}_kwargs`."""
         if not isinstance(row.get("prompt"), list):
             raise ValueError(f"data row {uid}: `prompt` must be a list of chat messages, got {type(row.get('prompt')).__name__}")
         extra = dict(row.get("extra_info") or {})
@@ -68,19 +69,10 @@ class RolloutPrompt:
             messages=list(row["prompt"]),
             tools_kwargs=dict(extra.get("tools_kwargs") or {}),
             interaction_kwargs=dict(extra.get("interaction_kwargs") or {}),
+            data_source=str(row.get("data_source") or ""),
             ground_truth=(row.get("reward_model") or {}).get("ground_truth"),
             extra_info=extra,
         )
-
-
-@dataclass
-class RolloutOutput:
-    """What one `AgentLoop.generate` call returns."""
-
-    trajectories: list[Trajectory]  # every trajectory, in prompt order, `n` per prompt
-    batch: dict[str, Any]  # `collate` tensors: prompts, responses, input_ids, masks, position ids, log-probs
-    metadata: list[dict[str, Any]]  # `Trajectory.metadata()` per row of the batch
-    metrics: dict[str, float]  # "rollout/..." metrics of this call
 
 
 class ChatCodec:
@@ -194,6 +186,7 @@ class AgentLoop:
         self._parsers: dict[tuple[str, ...], ToolCallParser] = {}
         self._tasks: set[asyncio.Task] = set()
         self._aborted = False
+        self._sampling: dict[str, Any] = {}  # the running `generate` call's sampling parameters
 
     @classmethod
     def from_config(cls, engines: list[RolloutEngine] | EngineRouter, tokenizer: Any, config: RolloutConfig) -> AgentLoop:
@@ -216,18 +209,24 @@ class AgentLoop:
             if p.interaction_kwargs:
                 self.interactions.validate_sample(p.interaction_kwargs)
 
-    async def generate(self, prompts: list[RolloutPrompt]) -> RolloutOutput:
-        """Roll out every prompt `n` times concurrently; returns the padded batch, metadata and metrics."""
+    async def generate(self, prompts: list[RolloutPrompt], *, greedy: bool = False) -> list[Trajectory]:
+        """Roll out every prompt `n` times concurrently; the trajectories in prompt order, `n` per prompt.
+
+        `greedy=True` rolls out each prompt once at temperature 0 (ReMax's baseline). Returns
+        when every trajectory has ended, or after `abort()` with what was produced so far.
+        """
         self.validate(prompts)
         self._aborted = False
-        start = time.monotonic()
+        c = self.config
+        self._sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": -1} if greedy else \
+            {"temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k}
         trajs: list[Trajectory] = []
         jobs = []
         for p in prompts:
             tool_names = self.tools.select(p.tools_kwargs)
             schemas = self.tools.schemas(tool_names) if tool_names else None
             prompt_ids = self.codec.prompt_ids(p.messages, schemas)
-            for k in range(self.config.n):
+            for k in range(1 if greedy else c.n):
                 traj = self._new_trajectory(p, k, tool_names, prompt_ids)
                 trajs.append(traj)
                 jobs.append(self._run(traj, schemas))
@@ -239,19 +238,14 @@ class AgentLoop:
         for t in trajs:  # tasks cancelled before they started never ran their body
             if t.status is not TrajectoryStatus.DONE:
                 t.finish(FinishReason.ABORTED)
-        wall = time.monotonic() - start
-        return RolloutOutput(
-            trajectories=trajs,
-            batch=collate(trajs, self.pad_token_id),
-            metadata=[t.metadata() for t in trajs],
-            metrics=self._metrics(trajs, wall),
-        )
+        return trajs
 
     async def abort(self) -> None:
         """Abort the running `generate`: every engine request and every tool / interaction task.
 
-        Trajectories end with finish reason `aborted`; tools are still released and interactions
-        finalized. `generate` then returns what was produced.
+        The trainer calls it when a rollout runs past its time limit and when it shuts down
+        mid-rollout. Trajectories end with finish reason `aborted`; tools are still released and
+        interactions finalized. `generate` then returns what was produced.
         """
         self._aborted = True
         tasks = list(self._tasks)
@@ -271,6 +265,7 @@ class AgentLoop:
             tool_names=list(tool_names),
             tools_kwargs=dict(p.tools_kwargs),
             interaction_kwargs=dict(p.interaction_kwargs),
+            data_source=p.data_source,
             ground_truth=p.ground_truth,
             extra_info=dict(p.extra_info),
         )
@@ -358,7 +353,7 @@ class AgentLoop:
                 runner, iid = interaction
                 turn = await runner.respond(iid, list(traj.messages), **traj.interaction_kwargs)
                 traj.interaction_time_s += time.monotonic() - t0
-                traj.interaction_scores.append(turn.score)
+                traj.interaction_scores.append(TurnScore(turn=traj.num_assistant_turns - 1, score=turn.score))
                 if turn.error is not None:
                     return traj.finish(FinishReason.ERROR, f"interaction {runner.name!r}: {turn.error}")
                 if turn.should_terminate:
@@ -378,9 +373,7 @@ class AgentLoop:
 
     async def _generate(self, traj: Trajectory, budget: int) -> GenerateResult:
         params = {
-            "temperature": self.config.temperature,
-            "top_p": self.config.top_p,
-            "top_k": self.config.top_k,
+            **self._sampling,
             "max_new_tokens": budget,
             "stop_token_ids": sorted(self.codec.stop_token_ids),
         }
@@ -432,41 +425,45 @@ class AgentLoop:
 
     # ---- metrics -----------------------------------------------------------------------
 
-    def _metrics(self, trajs: list[Trajectory], wall_s: float) -> dict[str, float]:
-        m: dict[str, float] = {"rollout/num_trajectories": float(len(trajs)), "rollout/wall_s": wall_s}
-        reasons = Counter(t.finish_reason.value for t in trajs if t.finish_reason is not None)
-        for r in FinishReason:
-            m[f"rollout/finish/{r.value}"] = float(reasons.get(r.value, 0))
-        n = max(len(trajs), 1)
-        sampled = sum(sum(t.response_mask) for t in trajs)
-        m["rollout/turns/assistant_mean"] = sum(t.num_assistant_turns for t in trajs) / n
-        m["rollout/turns/assistant_max"] = float(max((t.num_assistant_turns for t in trajs), default=0))
-        m["rollout/turns/user_mean"] = sum(t.num_user_turns for t in trajs) / n
-        m["rollout/response_length/mean"] = sum(len(t.response_ids) for t in trajs) / n
-        m["rollout/response_length/max"] = float(max((len(t.response_ids) for t in trajs), default=0))
-        m["rollout/sampled_tokens"] = float(sampled)
-        m["perf/rollout_tokens_per_s"] = sampled / wall_s if wall_s > 0 else 0.0
-        m["timing/rollout_generation_s"] = sum(t.generation_time_s for t in trajs)
-        m["timing/rollout_tool_s"] = sum(t.tool_time_s for t in trajs)
-        m["timing/rollout_interaction_s"] = sum(t.interaction_time_s for t in trajs)
-        calls = [c for t in trajs for c in t.tool_calls]
-        m["rollout/tool/calls"] = float(len(calls))
-        m["rollout/tool/truncations"] = float(sum(c.truncated for c in calls))
-        per_tool = Counter(c.name for c in calls if c.name is not None)
-        per_tool_errors = Counter(c.name for c in calls if c.name is not None and c.error is not None)
-        for name in set(per_tool) | set(self.tools.names):
-            m[f"rollout/tool/{name}/calls"] = float(per_tool.get(name, 0))
-            m[f"rollout/tool/{name}/errors"] = float(per_tool_errors.get(name, 0))
-        for kind, count in Counter(c.error for c in calls if c.error is not None).items():
-            m[f"rollout/tool/errors/{kind}"] = float(count)
-        m["rollout/tool/reward_mean"] = sum(t.tool_reward for t in trajs) / n
-        scores = [s for t in trajs for s in t.interaction_scores]
-        m["rollout/interaction/score_mean"] = sum(scores) / len(scores) if scores else 0.0
-        drifted = [t.drift_index for t in trajs if t.drift_index is not None]
-        m["rollout/drift/count"] = float(len(drifted))
-        m["rollout/drift/first_index_min"] = float(min(drifted)) if drifted else -1.0
-        for name, (created, released) in self.tools.counts().items():
-            m[f"rollout/tool/{name}/instances_live"] = float(created - released)
-        for name, (started, finalized) in self.interactions.counts().items():
-            m[f"rollout/interaction/{name}/instances_live"] = float(started - finalized)
+    def instance_metrics(self) -> dict[str, float]:
+        """Tool and interaction instances still alive (created and not released / finalized); 0 after a rollout."""
+        m = {f"rollout/tool/{name}/instances_live": float(created - released)
+             for name, (created, released) in self.tools.counts().items()}
+        m.update({f"rollout/interaction/{name}/instances_live": float(started - finalized)
+                  for name, (started, finalized) in self.interactions.counts().items()})
         return m
+
+
+def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+    """`rollout/*` and `timing/rollout_*` metrics of a rollout, computed from its trajectories alone."""
+    m: dict[str, float] = {"rollout/num_trajectories": float(len(trajs))}
+    reasons = Counter(t.finish_reason.value for t in trajs if t.finish_reason is not None)
+    for r in FinishReason:
+        m[f"rollout/finish/{r.value}"] = float(reasons.get(r.value, 0))
+    n = max(len(trajs), 1)
+    m["rollout/turns/assistant_mean"] = sum(t.num_assistant_turns for t in trajs) / n
+    m["rollout/turns/assistant_max"] = float(max((t.num_assistant_turns for t in trajs), default=0))
+    m["rollout/turns/user_mean"] = sum(t.num_user_turns for t in trajs) / n
+    m["rollout/response_length/mean"] = sum(len(t.response_ids) for t in trajs) / n
+    m["rollout/response_length/max"] = float(max((len(t.response_ids) for t in trajs), default=0))
+    m["rollout/sampled_tokens"] = float(sum(sum(t.response_mask) for t in trajs))
+    m["timing/rollout_generation_s"] = sum(t.generation_time_s for t in trajs)
+    m["timing/rollout_tool_s"] = sum(t.tool_time_s for t in trajs)
+    m["timing/rollout_interaction_s"] = sum(t.interaction_time_s for t in trajs)
+    calls = [c for t in trajs for c in t.tool_calls]
+    m["rollout/tool/calls"] = float(len(calls))
+    m["rollout/tool/truncations"] = float(sum(c.truncated for c in calls))
+    per_tool = Counter(c.name for c in calls if c.name is not None)
+    per_tool_errors = Counter(c.name for c in calls if c.name is not None and c.error is not None)
+    for name in set(per_tool) | {name for t in trajs for name in t.tool_names}:
+        m[f"rollout/tool/{name}/calls"] = float(per_tool.get(name, 0))
+        m[f"rollout/tool/{name}/errors"] = float(per_tool_errors.get(name, 0))
+    for kind, count in Counter(c.error for c in calls if c.error is not None).items():
+        m[f"rollout/tool/errors/{kind}"] = float(count)
+    m["rollout/tool/reward_mean"] = sum(t.tool_reward for t in trajs) / n
+    scores = [s.score for t in trajs for s in t.interaction_scores]
+    m["rollout/interaction/score_mean"] = sum(scores) / len(scores) if scores else 0.0
+    drifted = [t.drift_index for t in trajs if t.drift_index is not None]
+    m["rollout/drift/count"] = float(len(drifted))
+    m["rollout/drift/first_index_min"] = float(min(drifted)) if drifted else -1.0
+    return m

@@ -10,16 +10,18 @@ exactly on the ids the engine returned.
 Where it departs from the textbook "prompt + completion" sample: the response is a
 multi-turn sequence with turn boundaries, tool calls, interaction scores and one weight
 version per assistant turn, and the chat messages are kept only to *check* for tokenization
-drift (the token ids are the truth, the messages are a log). `collate` turns a list of
-records into the padded tensors the trainer consumes.
+drift (the token ids are the truth, the messages are a log). Every reward the rollout sees is
+recorded with the assistant turn it belongs to, when it is produced (tool step rewards on
+their `ToolCallRecord`, interaction scores as `TurnScore`s), so the recipe places rewards by
+those indices and re-derives nothing. The record also carries its data row's data source,
+ground truth and extra info: it is the only thing that crosses the seam (the recipe pads a
+list of them into tensors in `recipe.batch.collate`).
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
-
-import torch
 
 
 class TrajectoryStatus(str, enum.Enum):
@@ -81,6 +83,14 @@ class ToolCallRecord:
 
 
 @dataclass
+class TurnScore:
+    """A score earned by one assistant turn (e.g. the interaction's grade of that turn's answer)."""
+
+    turn: int  # index (0-based) of the assistant turn the score belongs to
+    score: float  # the score as the plug-in returned it (weighted later by the recipe)
+
+
+@dataclass
 class Trajectory:
     """One sampled multi-turn conversation, ready for training once `status` is DONE."""
 
@@ -93,7 +103,7 @@ class Trajectory:
     rollout_logprobs: list[float] = field(default_factory=list)  # engine log-prob of sampled tokens; 0.0 elsewhere
     turns: list[TurnSpan] = field(default_factory=list)  # segments of the response in order, covering it exactly
     tool_calls: list[ToolCallRecord] = field(default_factory=list)  # every call attempt, malformed ones included
-    interaction_scores: list[float] = field(default_factory=list)  # score of each interaction (user) turn
+    interaction_scores: list[TurnScore] = field(default_factory=list)  # each interaction turn's score, with the turn it graded
     tool_rewards: dict[str, float] = field(default_factory=dict)  # each tool's final `calc_reward`, before release
     status: TrajectoryStatus = TrajectoryStatus.PENDING  # state machine, see `TrajectoryStatus`
     finish_reason: FinishReason | None = None  # set once, when the trajectory ends
@@ -102,6 +112,7 @@ class Trajectory:
     tool_names: list[str] = field(default_factory=list)  # tools this sample may call (its own schemas in the prompt)
     tools_kwargs: dict[str, Any] = field(default_factory=dict)  # per-tool create/execute/calc_reward/release kwargs
     interaction_kwargs: dict[str, Any] = field(default_factory=dict)  # {"name": interaction, ...} or empty
+    data_source: str = ""  # the data row's data_source (picks the outcome scorer)
     ground_truth: Any = None  # reward_model.ground_truth of the data row
     extra_info: dict[str, Any] = field(default_factory=dict)  # the data row's extra_info (index, split, ...)
     num_user_turns: int = 0  # interaction turns appended (simulated user messages)
@@ -160,6 +171,11 @@ class Trajectory:
         return [t.weight_version for t in self.turns if t.role == "assistant" and t.weight_version is not None]
 
     @property
+    def assistant_turn_ends(self) -> list[int]:
+        """Response index of the last token of each assistant turn, in turn order."""
+        return [max(t.end - 1, t.start) for t in self.turns if t.role == "assistant"]
+
+    @property
     def total_length(self) -> int:
         """Prompt plus response tokens."""
         return len(self.prompt_ids) + len(self.response_ids)
@@ -205,87 +221,5 @@ class Trajectory:
         d["finish_reason"] = FinishReason(d["finish_reason"]) if d.get("finish_reason") is not None else None
         d["turns"] = [TurnSpan(**t) for t in d.get("turns", [])]
         d["tool_calls"] = [ToolCallRecord(**c) for c in d.get("tool_calls", [])]
+        d["interaction_scores"] = [TurnScore(**s) for s in d.get("interaction_scores", [])]
         return cls(**d)
-
-    def metadata(self) -> dict[str, Any]:
-        """Per-sample facts the trainer and the logger need next to the padded tensors."""
-        return {
-            "uid": self.uid,
-            "prompt_uid": self.prompt_uid,
-            "sample_index": self.sample_index,
-            "finish_reason": self.finish_reason.value if self.finish_reason is not None else None,
-            "turns": [asdict(t) for t in self.turns],
-            "weight_versions": self.weight_versions,
-            "tool_calls": [
-                {"turn": c.turn, "name": c.name, "error": c.error, "step_reward": c.step_reward} for c in self.tool_calls
-            ],
-            "tool_reward": self.tool_reward,
-            "tool_rewards": dict(self.tool_rewards),
-            "interaction_scores": list(self.interaction_scores),
-            "ground_truth": self.ground_truth,
-            "extra_info": self.extra_info,
-            "num_assistant_turns": self.num_assistant_turns,
-            "num_user_turns": self.num_user_turns,
-            "drift_index": self.drift_index,
-            "messages": self.messages,
-        }
-
-
-def collate(
-    trajectories: list[Trajectory],
-    pad_token_id: int,
-    max_prompt_length: int | None = None,
-    max_response_length: int | None = None,
-) -> dict[str, torch.Tensor]:
-    """Pad a list of trajectories into the trainer's tensors.
-
-    Prompts are left-padded and responses right-padded, so `input_ids = cat(prompts, responses)`
-    has every prompt ending at the same column (verl's layout). Lengths default to the longest
-    in the batch; a trajectory longer than a given maximum is refused (never silently cut).
-
-    Returns `prompts (B, P)`, `responses (B, R)`, `input_ids (B, P+R)`, `attention_mask (B, P+R)`,
-    `position_ids (B, P+R)`, `response_mask (B, R)` and `rollout_logprobs (B, R)`.
-    """
-    if not trajectories:
-        raise ValueError("collate got no trajectories; the rollout produced an empty batch")
-    p_len = max(len(t.prompt_ids) for t in trajectories)
-    r_len = max(len(t.response_ids) for t in trajectories)
-    for t in trajectories:
-        t.check_invariants()
-        if max_prompt_length is not None and len(t.prompt_ids) > max_prompt_length:
-            raise ValueError(f"trajectory {t.uid}: prompt has {len(t.prompt_ids)} tokens > max_prompt_length {max_prompt_length}")
-        if max_response_length is not None and len(t.response_ids) > max_response_length:
-            raise ValueError(
-                f"trajectory {t.uid}: response has {len(t.response_ids)} tokens > max_response_length {max_response_length}"
-            )
-    p_len = max_prompt_length if max_prompt_length is not None else p_len
-    r_len = max_response_length if max_response_length is not None else r_len
-    b = len(trajectories)
-    prompts = torch.full((b, p_len), pad_token_id, dtype=torch.long)  # (B, P)
-    responses = torch.full((b, r_len), pad_token_id, dtype=torch.long)  # (B, R)
-    prompt_attn = torch.zeros((b, p_len), dtype=torch.long)  # (B, P)
-    response_attn = torch.zeros((b, r_len), dtype=torch.long)  # (B, R)
-    response_mask = torch.zeros((b, r_len), dtype=torch.long)  # (B, R)
-    logprobs = torch.zeros((b, r_len), dtype=torch.float32)  # (B, R)
-    for i, t in enumerate(trajectories):
-        np_, nr = len(t.prompt_ids), len(t.response_ids)
-        if np_:
-            prompts[i, p_len - np_ :] = torch.tensor(t.prompt_ids, dtype=torch.long)
-            prompt_attn[i, p_len - np_ :] = 1
-        if nr:
-            responses[i, :nr] = torch.tensor(t.response_ids, dtype=torch.long)
-            response_attn[i, :nr] = 1
-            response_mask[i, :nr] = torch.tensor(t.response_mask, dtype=torch.long)
-            logprobs[i, :nr] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
-    attention_mask = torch.cat([prompt_attn, response_attn], dim=1)  # (B, P+R)
-    # Positions count real tokens only; padding repeats 0 on the left and the last position on the right.
-    position_ids = torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0)  # (B, P+R)
-    return {
-        "prompts": prompts,
-        "responses": responses,
-        "input_ids": torch.cat([prompts, responses], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-        "response_mask": response_mask,
-        "rollout_logprobs": logprobs,
-    }

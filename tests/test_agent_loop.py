@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import pytest
 
-from rollout.agent_loop import AgentLoop, ChatCodec, RolloutPrompt
+from rollout.agent_loop import AgentLoop, ChatCodec, RolloutPrompt, rollout_metrics
 from rollout.config import MultiTurnConfig, RolloutConfig
 from rollout.engines.base import GenerateResult
 from rollout.engines.router import EngineRouter
@@ -24,7 +24,7 @@ from rollout.interactions.registry import InteractionRegistry
 from rollout.tools.base import BaseTool
 from rollout.tools.registry import ToolRegistry
 from rollout.tools.schemas import OpenAIFunctionToolSchema
-from rollout.trajectory import FinishReason
+from rollout.trajectory import FinishReason, TurnScore
 
 pytestmark = pytest.mark.unit
 
@@ -249,7 +249,7 @@ def test_tool_turn_masks_and_template_consistency(tokenizer):
     engine = ScriptedEngine(tokenizer, policy)
     tool = AddTool()
     out = asyncio.run(_loop(tokenizer, engine, [tool]).generate([_prompt("q0")]))
-    (traj,) = out.trajectories
+    (traj,) = out
     assert traj.finish_reason is FinishReason.STOP
     assert [s.role for s in traj.turns] == ["assistant", "tool", "assistant"]
     _assert_mask_is_engine_output(traj, engine)
@@ -259,12 +259,13 @@ def test_tool_turn_masks_and_template_consistency(tokenizer):
     assert tool_text == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     (call,) = traj.tool_calls
     assert (call.name, call.arguments, call.result, call.error, call.step_reward) == ("add", {"a": 2, "b": 3}, "5", None, 0.25)
-    assert traj.drift_index is None and out.metrics["rollout/drift/count"] == 0
+    metrics = rollout_metrics(out)
+    assert traj.drift_index is None and metrics["rollout/drift/count"] == 0
     assert traj.weight_versions == [7, 7]
     assert [m["role"] for m in traj.messages] == ["user", "assistant", "tool", "assistant"]
     assert tool.created == tool.released and len(tool.created) == 1
-    assert out.batch["response_mask"][0].sum().item() == sum(len(x) for x in engine.returned["q0/0"])
-    assert out.metrics["rollout/tool/add/calls"] == 1 and out.metrics["rollout/finish/stop"] == 1
+    assert sum(traj.response_mask) == metrics["rollout/sampled_tokens"] == sum(len(x) for x in engine.returned["q0/0"])
+    assert metrics["rollout/tool/add/calls"] == 1 and metrics["rollout/finish/stop"] == 1
 
 
 def test_drift_is_reported_not_repaired(tokenizer):
@@ -283,10 +284,10 @@ def test_drift_is_reported_not_repaired(tokenizer):
 
     engine = CharEngine(tokenizer, lambda uid, turn: "The answer is 5.")
     out = asyncio.run(_loop(tokenizer, engine).generate([_prompt("q0")]))
-    (traj,) = out.trajectories
+    (traj,) = out
     assert len(canonical) < len("The answer is 5.")  # the canonical spelling merges characters
     assert traj.drift_index is not None and traj.drift_index >= len(traj.prompt_ids)
-    assert out.metrics["rollout/drift/count"] == 1
+    assert rollout_metrics(out)["rollout/drift/count"] == 1
     _assert_mask_is_engine_output(traj, engine)
 
 
@@ -300,14 +301,14 @@ def test_n_samples_per_prompt_and_per_sample_tools(tokenizer):
         _prompt("c"),  # no tools_kwargs: every tool
     ]
     out = asyncio.run(_loop(tokenizer, engine, [add, raiser], n=3).generate(prompts))
-    assert [t.uid for t in out.trajectories] == [f"{p}/{k}" for p in "abc" for k in range(3)]
-    assert [t.prompt_uid for t in out.trajectories] == [p for p in "abc" for _ in range(3)]
-    prompt_text = {t.prompt_uid: tokenizer.decode(t.prompt_ids) for t in out.trajectories}
+    assert [t.uid for t in out] == [f"{p}/{k}" for p in "abc" for k in range(3)]
+    assert [t.prompt_uid for t in out] == [p for p in "abc" for _ in range(3)]
+    prompt_text = {t.prompt_uid: tokenizer.decode(t.prompt_ids) for t in out}
     assert '"name": "add"' in prompt_text["a"] and '"name": "lookup"' not in prompt_text["a"]
     assert '"name": "lookup"' in prompt_text["b"] and '"name": "add"' not in prompt_text["b"]
     assert '"name": "add"' in prompt_text["c"] and '"name": "lookup"' in prompt_text["c"]
     assert add.create_kwargs.count({"create_kwargs": {"seed": 1}}) == 3  # verl's agent-loop shape
-    assert out.batch["responses"].shape[0] == 9 and len(out.metadata) == 9
+    assert len(out) == 9
 
 
 def test_unknown_tool_or_interaction_refused_before_running(tokenizer):
@@ -327,19 +328,19 @@ def test_limits_give_the_right_finish_reason(tokenizer):
     engine = ScriptedEngine(tokenizer, always_call)
     tool = AddTool()
     out = asyncio.run(_loop(tokenizer, engine, [tool], multi_turn={"max_assistant_turns": 3}).generate([_prompt("t")]))
-    (traj,) = out.trajectories
+    (traj,) = out
     assert traj.finish_reason is FinishReason.MAX_TURNS and traj.num_assistant_turns == 3
     assert len(traj.tool_calls) == 2  # the calls of the last allowed turn are not run
 
     engine = ScriptedEngine(tokenizer, always_call)
     out = asyncio.run(_loop(tokenizer, engine, [AddTool()], response_length=40).generate([_prompt("l")]))
-    (traj,) = out.trajectories
+    (traj,) = out
     assert traj.finish_reason is FinishReason.LENGTH and len(traj.response_ids) <= 40
     assert all(p["max_new_tokens"] <= 40 for _, _, p in engine.calls)
 
     engine = ScriptedEngine(tokenizer, always_call)
     loop = _loop(tokenizer, engine, [AddTool()], response_length=1000, max_model_len=300)
-    (traj,) = asyncio.run(loop.generate([_prompt("m")])).trajectories
+    (traj,) = asyncio.run(loop.generate([_prompt("m")]))
     assert traj.finish_reason is FinishReason.LENGTH and traj.total_length <= 300
     for _, ids, p in engine.calls:
         assert len(ids) + p["max_new_tokens"] <= 300
@@ -354,7 +355,7 @@ def test_calls_of_one_turn_run_concurrently_up_to_max_parallel_calls(tokenizer):
         tool = AddTool(delay_s=0.05)
         engine = ScriptedEngine(tokenizer, policy)
         loop = _loop(tokenizer, engine, [tool], multi_turn={"max_parallel_calls": parallel})
-        (traj,) = asyncio.run(loop.generate([_prompt("p")])).trajectories
+        (traj,) = asyncio.run(loop.generate([_prompt("p")]))
         assert tool.max_active == expected
         assert [c.result for c in traj.tool_calls] == ["10", "11", "12", "13"]
         assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["10", "11", "12", "13"]
@@ -369,7 +370,7 @@ def test_faulty_tools_are_data_and_always_released(tokenizer):
     loop = _loop(tokenizer, engine, tools, n=2,
                  multi_turn={"max_parallel_calls": 3, "max_tool_response_length": 64, "tool_response_truncate_side": "right"})
     out = asyncio.run(loop.generate([_prompt("f")]))
-    for traj in out.trajectories:
+    for traj in out:
         assert traj.finish_reason is FinishReason.STOP
         boom, sleepy, huge = traj.tool_calls
         assert boom.error == "exception" and "the tool broke" in boom.result
@@ -380,8 +381,8 @@ def test_faulty_tools_are_data_and_always_released(tokenizer):
     assert tools[1].cancelled == 2
     for t in tools:
         assert t.created == t.released == 2
-    assert out.metrics["rollout/tool/errors/timeout"] == 2 and out.metrics["rollout/tool/errors/exception"] == 2
-    assert out.metrics["rollout/tool/truncations"] >= 2
+    assert rollout_metrics(out)["rollout/tool/errors/timeout"] == 2 and rollout_metrics(out)["rollout/tool/errors/exception"] == 2
+    assert rollout_metrics(out)["rollout/tool/truncations"] >= 2
 
 
 def test_malformed_calls_become_error_messages(tokenizer):
@@ -390,12 +391,12 @@ def test_malformed_calls_become_error_messages(tokenizer):
     engine = ScriptedEngine(tokenizer, lambda uid, turn: [bad, "sorry"][turn])
     tool = AddTool()
     out = asyncio.run(_loop(tokenizer, engine, [tool], response_length=2048).generate([_prompt("m")]))
-    (traj,) = out.trajectories
+    (traj,) = out
     assert [c.error for c in traj.tool_calls] == ["bad_json", "unknown_tool", "bad_arguments"]
     tool_msgs = [m["content"] for m in traj.messages if m["role"] == "tool"]
     assert all(m.startswith("Error:") for m in tool_msgs) and "'mul'" in tool_msgs[1]
     assert traj.finish_reason is FinishReason.STOP and tool.max_active == 0
-    assert out.metrics["rollout/tool/errors/bad_json"] == 1 and out.metrics["rollout/tool/add/errors"] == 1
+    assert rollout_metrics(out)["rollout/tool/errors/bad_json"] == 1 and rollout_metrics(out)["rollout/tool/add/errors"] == 1
 
 
 def test_interaction_turns_scores_and_limits(tokenizer):
@@ -406,16 +407,18 @@ def test_interaction_turns_scores_and_limits(tokenizer):
     user = ScriptedUser()
     loop = _loop(tokenizer, engine, interactions=[user], multi_turn={"max_user_turns": 5})
     out = asyncio.run(loop.generate([_prompt("i", interaction_kwargs={"name": "scripteduser", "answer": "5"})]))
-    (traj,) = out.trajectories
+    (traj,) = out
     assert traj.finish_reason is FinishReason.STOP
-    assert traj.interaction_scores == [0.0, 0.0, 1.0] and traj.num_user_turns == 2
+    # each score is recorded with the assistant turn it graded, when it is produced
+    assert traj.interaction_scores == [TurnScore(0, 0.0), TurnScore(1, 0.0), TurnScore(2, 1.0)]
+    assert traj.num_user_turns == 2
     assert [s.role for s in traj.turns] == ["assistant", "user", "assistant", "user", "assistant"]
     assert traj.drift_index is None
     _assert_mask_is_engine_output(traj, engine)
 
     engine = ScriptedEngine(tokenizer, lambda uid, turn: answers[turn])
     loop = _loop(tokenizer, engine, interactions=[user], multi_turn={"max_user_turns": 1})
-    (traj,) = asyncio.run(loop.generate([_prompt("j", interaction_kwargs={"name": "scripteduser", "answer": "5"})])).trajectories
+    (traj,) = asyncio.run(loop.generate([_prompt("j", interaction_kwargs={"name": "scripteduser", "answer": "5"})]))
     assert traj.finish_reason is FinishReason.MAX_TURNS and traj.num_user_turns == 1
     assert sorted(user.started) == sorted(user.finalized) and len(user.started) == 2
 
@@ -427,9 +430,9 @@ def test_interaction_that_raises_ends_only_its_trajectory(tokenizer):
     loop = _loop(tokenizer, engine, interactions=[crashing, fine], n=2, multi_turn={"max_user_turns": 1})
     out = asyncio.run(loop.generate([_prompt("a", interaction_kwargs={"name": "crashing", "answer": "5"}),
                                      _prompt("b", interaction_kwargs={"name": "fine", "answer": "4"})]))
-    reasons = [t.finish_reason for t in out.trajectories]
+    reasons = [t.finish_reason for t in out]
     assert reasons == [FinishReason.ERROR] * 2 + [FinishReason.STOP] * 2
-    assert "crashed" in out.trajectories[0].error
+    assert "crashed" in out[0].error
     for u in (crashing, fine):
         assert sorted(u.started) == sorted(u.finalized) and len(u.started) == 2
 
@@ -448,7 +451,7 @@ def test_engine_abort_and_failure_end_one_trajectory(tokenizer):
         return await task
 
     out = asyncio.run(run())
-    hang, ok, bad = out.trajectories
+    hang, ok, bad = out
     assert hang.finish_reason is FinishReason.ABORTED and hang.response_mask == [1] * len(hang.response_ids) != []
     assert ok.finish_reason is FinishReason.STOP
     assert bad.finish_reason is FinishReason.ERROR and "engine failure" in bad.error
@@ -484,14 +487,14 @@ def test_abort_cancels_everything_and_still_releases(tokenizer):
         return await task
 
     out = asyncio.run(run())
-    assert [t.finish_reason for t in out.trajectories] == [FinishReason.ABORTED] * 6
+    assert [t.finish_reason for t in out] == [FinishReason.ABORTED] * 6
     assert {"gen-0/0#0", "gen-0/1#0"} <= set(engine.aborted)
     assert slow_tool.cancelled == 2
     assert slow_tool.created == slow_tool.released == 6
     assert sorted(user.started) == sorted(user.finalized) and len(user.started) == 2
-    assert out.metrics["rollout/finish/aborted"] == 6
-    assert out.metrics["rollout/tool/sleepy/instances_live"] == 0
-    for t in out.trajectories:
+    assert rollout_metrics(out)["rollout/finish/aborted"] == 6
+    assert loop.instance_metrics()["rollout/tool/sleepy/instances_live"] == 0
+    for t in out:
         _assert_mask_is_engine_output(t, engine)
 
 
@@ -505,7 +508,7 @@ def test_router_is_least_loaded_and_sticky(tokenizer):
     assert len(per_engine[0]) == len(per_engine[1]) == 2 and not per_engine[0] & per_engine[1]
     for e in engines:
         assert all(len(e.returned[uid]) == 2 for uid in {rid.rsplit("#", 1)[0] for rid, _, _ in e.calls})
-    assert all(t.finish_reason is FinishReason.STOP for t in out.trajectories)
+    assert all(t.finish_reason is FinishReason.STOP for t in out)
 
 
 def test_router_picks_least_loaded_by_inflight():
@@ -575,7 +578,41 @@ def test_tool_calc_reward_is_kept_for_training(tokenizer):
     tool = AddTool()
     prompt = _prompt("q0", tools_kwargs={"add": {"calc_reward_kwargs": {"bonus": 0.25}}})
     out = asyncio.run(_loop(tokenizer, ScriptedEngine(tokenizer, policy), [tool]).generate([prompt]))
-    (traj,) = out.trajectories
+    (traj,) = out
     assert traj.tool_rewards == {"add": 0.75}
-    assert out.metadata[0]["tool_rewards"] == {"add": 0.75}
     assert tool.created == tool.released
+
+
+def test_rewards_carry_the_assistant_turn_they_belong_to(tokenizer):
+    """Contract: tool step rewards and interaction scores are recorded with the index of the assistant turn that
+    earned them, as they are produced: tool calls and graded answers interleave, nothing is left to re-derive."""
+    script = [_call("add", a=1, b=1), "It is 4.", _call("add", a=2, b=3), "It is 5."]
+    engine = ScriptedEngine(tokenizer, lambda uid, turn: script[turn])
+    loop = _loop(tokenizer, engine, [AddTool()], [ScriptedUser()], multi_turn={"max_user_turns": 5})
+    (traj,) = asyncio.run(loop.generate([_prompt("x", interaction_kwargs={"name": "scripteduser", "answer": "5"})]))
+    assert traj.finish_reason is FinishReason.STOP and traj.num_assistant_turns == 4
+    assert [(c.turn, c.step_reward) for c in traj.tool_calls] == [(0, 0.25), (2, 0.25)]
+    assert traj.interaction_scores == [TurnScore(1, 0.0), TurnScore(3, 1.0)]
+    ends = traj.assistant_turn_ends
+    assert [traj.response_mask[e] for e in ends] == [1, 1, 1, 1] and ends == sorted(ends)
+
+
+def test_greedy_rollout_is_one_temperature_zero_sample_per_prompt(tokenizer):
+    """Contract: `generate(greedy=True)` (ReMax's baseline) samples each prompt once at temperature 0, whatever
+    rollout.n and the configured temperature are; a plain call uses the configured sampling."""
+    engine = ScriptedEngine(tokenizer, lambda uid, turn: "It is 5.")
+    loop = _loop(tokenizer, engine, n=3, temperature=0.7, top_p=0.9)
+    greedy = asyncio.run(loop.generate([_prompt("a"), _prompt("b")], greedy=True))
+    assert [t.prompt_uid for t in greedy] == ["a", "b"]
+    assert all(p["temperature"] == 0.0 and p["top_p"] == 1.0 for _, _, p in engine.calls)
+    sampled = asyncio.run(loop.generate([_prompt("a")]))
+    assert len(sampled) == 3 and all(p["temperature"] == 0.7 and p["top_p"] == 0.9 for _, _, p in engine.calls[2:])
+
+
+def test_trajectory_carries_its_data_row(tokenizer):
+    """Contract: data_source, ground truth and extra info of the row ride on every trajectory of its prompt."""
+    row = {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "q"}],
+           "reward_model": {"style": "rule", "ground_truth": "42"}, "extra_info": {"index": 7}}
+    engine = ScriptedEngine(tokenizer, lambda uid, turn: "#### 42")
+    trajs = asyncio.run(_loop(tokenizer, engine, n=2).generate([RolloutPrompt.from_row(row, uid="r7")]))
+    assert [(t.data_source, t.ground_truth, t.extra_info["index"]) for t in trajs] == [("openai/gsm8k", "42", 7)] * 2

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from rollout.agent_loop import AgentLoop, RolloutPrompt
+from rollout.agent_loop import AgentLoop, RolloutPrompt, rollout_metrics
 from rollout.config import MultiTurnConfig, RolloutConfig
 from rollout.engines.base import GenerateResult
 from rollout.trajectory import FinishReason
@@ -100,8 +100,8 @@ def test_tool_and_interaction_turns_on_sglang(sglang_engine, tokenizer):
     steered = RegexSteeredEngine(sglang_engine, [TOOL_CALL, WRONG_ANSWER, RIGHT_ANSWER])
     loop = _loop(steered, tokenizer)
     out = asyncio.run(loop.generate([_gsm8k_prompt("g0")]))
-    assert len(out.trajectories) == 2
-    for traj in out.trajectories:
+    assert len(out) == 2
+    for traj in out:
         assert traj.finish_reason is FinishReason.STOP, traj.error
         assert [s.role for s in traj.turns] == ["assistant", "tool", "assistant", "user", "assistant"]
         engine_out = steered.returned[traj.uid]
@@ -119,7 +119,8 @@ def test_tool_and_interaction_turns_on_sglang(sglang_engine, tokenizer):
         # the real tool ran on the regex-forced call; the real interaction replied once, then accepted
         (call,) = traj.tool_calls
         assert call.error is None and call.name == "calc_gsm8k_reward" and call.result.startswith("Current parsed answer=")
-        assert traj.interaction_scores == [0.0, 1.0] and traj.num_user_turns == 1
+        # each score carries the assistant turn it graded (turn 0 made the tool call)
+        assert [(s.turn, s.score) for s in traj.interaction_scores] == [(1, 0.0), (2, 1.0)] and traj.num_user_turns == 1
         assert traj.messages[-1]["content"] == "So it is 72."
         # template consistency: the decoded ids are the template's text for the same messages
         rendered = tokenizer.apply_chat_template(traj.messages, tools=loop.tools.schemas(traj.tool_names),
@@ -130,10 +131,11 @@ def test_tool_and_interaction_turns_on_sglang(sglang_engine, tokenizer):
         ours = traj.prompt_ids + traj.response_ids
         same_ids = canonical[: len(ours)] == ours
         assert (traj.drift_index is None) == same_ids
-    assert out.metrics["rollout/drift/count"] == sum(t.drift_index is not None for t in out.trajectories)
-    assert out.metrics["rollout/tool/calc_gsm8k_reward/instances_live"] == 0
-    assert out.metrics["rollout/interaction/gsm8k/instances_live"] == 0
-    assert out.batch["response_mask"].sum().item() == sum(sum(t.response_mask) for t in out.trajectories)
+    metrics = {**rollout_metrics(out), **loop.instance_metrics()}
+    assert metrics["rollout/drift/count"] == sum(t.drift_index is not None for t in out)
+    assert metrics["rollout/tool/calc_gsm8k_reward/instances_live"] == 0
+    assert metrics["rollout/interaction/gsm8k/instances_live"] == 0
+    assert metrics["rollout/sampled_tokens"] == sum(sum(t.response_mask) for t in out)
 
 
 def test_abort_mid_generation_on_sglang(sglang_engine, tokenizer):
@@ -151,11 +153,12 @@ def test_abort_mid_generation_on_sglang(sglang_engine, tokenizer):
         return await task
 
     out = asyncio.run(run())
-    for traj in out.trajectories:
+    for traj in out:
         assert traj.finish_reason is FinishReason.ABORTED
         assert traj.response_mask == [1] * len(traj.response_ids)
         assert len(traj.response_ids) < 300
     assert sglang_engine.num_inflight == 0
-    assert out.metrics["rollout/tool/calc_gsm8k_reward/instances_live"] == 0
-    assert out.metrics["rollout/interaction/gsm8k/instances_live"] == 0
-    assert out.metrics["rollout/finish/aborted"] == 2
+    metrics = {**rollout_metrics(out), **loop.instance_metrics()}
+    assert metrics["rollout/tool/calc_gsm8k_reward/instances_live"] == 0
+    assert metrics["rollout/interaction/gsm8k/instances_live"] == 0
+    assert metrics["rollout/finish/aborted"] == 2

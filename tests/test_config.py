@@ -47,7 +47,7 @@ data.max_prompt_length data.max_response_length data.shuffle data.train_batch_si
 ray_init.num_cpus ray_init.temp_dir
 reward.interaction_weight reward.outcome_weight reward.tool_final_weight reward.tool_weight
 trainer.default_local_dir trainer.experiment_name trainer.logger trainer.n_gpus_per_node trainer.nnodes
-trainer.project_name trainer.seed trainer.total_training_steps
+trainer.project_name trainer.rollout_timeout_s trainer.seed trainer.total_training_steps
 """.split()
 
 

@@ -1,4 +1,4 @@
-"""GSM8K preprocessing, the RL dataset's load-time validation, and the outcome scorer.
+"""GSM8K preprocessing and the RL dataset's load-time validation (the scorer: tests/test_reward.py).
 
 Rows are written by the tests themselves (a few GSM8K-format records), never read from the
 real dataset, so the suite runs anywhere.
@@ -12,7 +12,6 @@ import pytest
 
 from recipe.data import gsm8k
 from recipe.data.dataset import RLDataset, read_parquet_rows
-from recipe.reward import score_trajectory
 from rollout.interactions.registry import InteractionRegistry
 from rollout.tools.registry import ToolRegistry
 
@@ -83,8 +82,8 @@ def test_dataset_validates_rows_against_registries(tmp_path, registries):
     gsm8k.write_rows(rows, good)
     ds = RLDataset([good], tools, interactions)
     assert len(ds) == 3
-    prompt, source = ds.items[0]
-    assert source == "openai/gsm8k" and prompt.ground_truth == "72"
+    prompt = ds.items[0]
+    assert prompt.data_source == "openai/gsm8k" and prompt.ground_truth == "72"
     assert prompt.tools_kwargs == {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": "72"}}}
 
     wrong_tool = [dict(rows[0]), dict(rows[1])]
@@ -101,7 +100,7 @@ def test_dataset_validates_rows_against_registries(tmp_path, registries):
         RLDataset([path], tools, interactions)
     # Not configured at all: the kwargs are ignored, as in verl.
     ds = RLDataset([path], ToolRegistry([]), InteractionRegistry([]))
-    assert ds.items[0][0].interaction_kwargs == {} and ds.items[0][0].tools_kwargs == {}
+    assert ds.items[0].interaction_kwargs == {} and ds.items[0].tools_kwargs == {}
 
 
 @pytest.mark.unit
@@ -119,21 +118,6 @@ def test_dataset_batches_are_seeded_and_group_ids_unique(tmp_path, registries):
     assert [x.epoch for x in a] == [0, 0, 1, 1]
     uids = [p.uid for x in a for p in x.prompts]
     assert len(set(uids)) == len(uids) == 12
-    assert all(x.data_sources[p.uid] == "openai/gsm8k" for x in a for p in x.prompts)
+    assert all(p.data_source == "openai/gsm8k" for x in a for p in x.prompts)
     with pytest.raises(ValueError, match="train_batch_size=7"):
         next(ds.batches(7))
-
-
-@pytest.mark.unit
-def test_outcome_score_reads_only_the_policy_text():
-    """Contract: the outcome score is 1 only for the right `####` answer in the assistant's own
-    messages; a tool response quoting the right number does not earn it; numbers compare by value."""
-    chat = [{"role": "user", "content": "How many? 72 is not the question"},
-            {"role": "assistant", "content": "<tool_call>...</tool_call>"},
-            {"role": "tool", "content": "Current parsed answer=72 reward=1.0\n#### 72"}]
-    assert score_trajectory("openai/gsm8k", chat, "72") == 0.0
-    assert score_trajectory("openai/gsm8k", chat + [{"role": "assistant", "content": "So #### 72."}], "72") == 1.0
-    assert score_trajectory("openai/gsm8k", [{"role": "assistant", "content": "#### 1,200"}], "1200") == 1.0
-    assert score_trajectory("openai/gsm8k", [{"role": "assistant", "content": "#### 71"}], "72") == 0.0
-    with pytest.raises(ValueError, match="no outcome scorer for data_source 'math500'"):
-        score_trajectory("math500", chat, "72")

@@ -73,7 +73,7 @@ def test_fuzz_malformed_outputs_never_crash_the_loop(tokenizer):
         loop = _loop(tokenizer, engine, [tool], response_length=4096,
                      multi_turn={"max_tool_response_length": 64, "max_parallel_calls": 2})
         out = asyncio.run(loop.generate([_prompt("z")]))
-        (traj,) = out.trajectories
+        (traj,) = out
         assert traj.finish_reason in (FinishReason.STOP, FinishReason.LENGTH), traj.error
         traj.check_invariants()
         sampled = [traj.response_ids[s.start:s.end] for s in traj.turns if s.role == "assistant"]

@@ -21,8 +21,9 @@ import torch
 from megatron_workers.weights import bucket_by_bytes
 from recipe.config_schema import PPOConfig
 from recipe.data import gsm8k
-from recipe.trainer import reward_terms, trainable_rows
-from rollout.trajectory import ToolCallRecord, Trajectory, collate
+from recipe.batch import collate
+from recipe.trainer import rollout_probs_diff, rollout_with_timeout, trainable
+from rollout.trajectory import FinishReason, Trajectory
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "recipe" / "config")
 STEPS = 2
@@ -62,32 +63,49 @@ def test_weight_buckets_keep_order_and_respect_the_byte_budget():
         list(bucket_by_bytes(named, 0))
 
 
-@pytest.mark.unit
-def test_reward_terms_sit_at_the_end_of_the_turn_that_earned_them():
-    """Contract: the outcome is scored on the policy's text; a tool step reward sits on the last token of
-    the calling assistant turn, an interaction score on the last token of the turn it graded."""
-    t = Trajectory(uid="p/0", prompt_uid="p", sample_index=0, prompt_ids=[1, 2], ground_truth="72")
-    t.append_assistant([5, 6, 7], [0.0] * 3, 0)  # turn 0: calls the tool (tokens 0..2)
-    t.append_context([8, 9], "tool")  # tokens 3..4
-    t.append_assistant([10, 11], [0.0] * 2, 0)  # turn 1: answers (tokens 5..6), graded by the interaction
-    t.tool_calls.append(ToolCallRecord(turn=0, name="calc_gsm8k_reward", arguments={}, raw="", step_reward=-0.05))
-    t.interaction_scores.append(1.0)
-    t.tool_rewards = {"calc_gsm8k_reward": 1.0}
-    t.messages = [{"role": "assistant", "content": "call"}, {"role": "tool", "content": "#### 72"},
-                  {"role": "assistant", "content": "#### 72"}]
-    terms = reward_terms([t], {"p": "openai/gsm8k"})
-    assert terms.outcome.tolist() == [1.0] and terms.tool_final.tolist() == [1.0]
-    assert terms.tool == [[(2, -0.05)]] and terms.interaction == [[(6, 1.0)]]
+def _sampled(uid: str, mask: list[int]) -> Trajectory:
+    t = Trajectory(uid=uid, prompt_uid=uid, sample_index=0, prompt_ids=[1])
+    for m in mask:
+        t.append_assistant([5], [0.0], 0) if m else t.append_context([6], "tool")
+    return t
 
 
 @pytest.mark.unit
-def test_trainable_rows_drop_empty_responses_and_fit_the_split():
-    """Contract: rows without a sampled token are dropped, then the count is cut to a multiple of
+def test_trainable_drops_empty_responses_and_fits_the_split():
+    """Contract: trajectories without a sampled token are dropped, then the count is cut to a multiple of
     mini-batches x DP ranks, keeping batch order."""
-    mask = torch.tensor([[1, 0], [0, 0], [1, 1], [0, 1], [1, 0], [0, 0]])
-    assert trainable_rows(mask, 1).tolist() == [0, 2, 3, 4]
-    assert trainable_rows(mask, 3).tolist() == [0, 2, 3]
-    assert trainable_rows(mask, 8).tolist() == []
+    trajs = [_sampled(str(i), m) for i, m in enumerate([[1, 0], [0, 0], [1, 1], [0, 1], [1, 0], []])]
+    assert [t.uid for t in trainable(trajs, 1)] == ["0", "2", "3", "4"]
+    assert [t.uid for t in trainable(trajs, 3)] == ["0", "2", "3"]
+    assert trainable(trajs, 8) == []
+
+
+@pytest.mark.unit
+def test_rollout_probs_diff_is_verls_metric_over_sampled_tokens():
+    """Contract: training/rollout_probs_diff_{mean,max,std} = |exp(actor) - exp(engine)| over sampled tokens only."""
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.9], [0.2, 0.3, 0.3]]))
+    engine = torch.log(torch.tensor([[0.4, 0.1, 0.9], [0.2, 0.3, 0.9]]))
+    mask = torch.tensor([[1, 0, 1], [1, 1, 0]])
+    m = rollout_probs_diff(old, engine, mask)
+    assert m["training/rollout_probs_diff_max"] == pytest.approx(0.1, abs=1e-6)
+    assert m["training/rollout_probs_diff_mean"] == pytest.approx(0.025, abs=1e-6)
+    assert m["training/rollout_probs_diff_std"] == pytest.approx(torch.tensor([0.1, 0, 0, 0]).std().item(), abs=1e-6)
+
+
+@pytest.mark.unit
+def test_rollout_past_its_time_limit_is_aborted(tiny_model_dir):
+    """Contract: a rollout running past trainer.rollout_timeout_s is aborted through AgentLoop.abort: hung requests
+    end as aborted with what they sampled, finished ones are kept, and the call returns."""
+    from transformers import AutoTokenizer
+
+    from tests.test_agent_loop import ScriptedEngine, _loop, _prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    engine = ScriptedEngine(tokenizer, lambda uid, turn: None if uid.startswith("hang") else "#### 5")
+    loop = _loop(tokenizer, engine)
+    trajs = asyncio.run(rollout_with_timeout(loop, [_prompt("hang"), _prompt("ok")], timeout_s=0.5))
+    assert [t.finish_reason for t in trajs] == [FinishReason.ABORTED, FinishReason.STOP]
+    assert engine.aborted == ["hang/0#0"] and sum(trajs[0].response_mask) > 0
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Unit tests of the trajectory record (rollout -> recipe contract) and its collation."""
+"""Unit tests of the trajectory record (rollout -> recipe contract) and its collation (recipe.batch)."""
 from __future__ import annotations
 
 import json
@@ -6,13 +6,8 @@ import json
 import pytest
 import torch
 
-from rollout.trajectory import (
-    FinishReason,
-    ToolCallRecord,
-    Trajectory,
-    TrajectoryStatus,
-    collate,
-)
+from recipe.batch import collate
+from rollout.trajectory import FinishReason, ToolCallRecord, Trajectory, TrajectoryStatus, TurnScore
 
 pytestmark = pytest.mark.unit
 
@@ -32,12 +27,13 @@ def _multi_turn() -> Trajectory:
     t.set_status(TrajectoryStatus.GENERATING)
     t.append_assistant([13], [-0.4], weight_version=4)
     t.set_status(TrajectoryStatus.INTERACTING)
-    t.interaction_scores.append(1.0)
+    t.interaction_scores.append(TurnScore(turn=1, score=1.0))
     t.append_context([22], role="user")
     t.num_user_turns = 1
     t.set_status(TrajectoryStatus.GENERATING)
     t.append_assistant([14, 15], [-0.5, -0.6], weight_version=4)
     t.messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    t.data_source, t.ground_truth, t.extra_info = "openai/gsm8k", "72", {"index": 3}
     t.finish(FinishReason.STOP)
     return t
 
@@ -100,6 +96,7 @@ def test_round_trip_through_json():
     assert back == t
     assert back.status is TrajectoryStatus.DONE and back.finish_reason is FinishReason.STOP
     assert isinstance(back.turns[0], type(t.turns[0])) and isinstance(back.tool_calls[0], ToolCallRecord)
+    assert back.interaction_scores == [TurnScore(1, 1.0)] and back.data_source == "openai/gsm8k"
     fresh = _traj()
     assert Trajectory.from_dict(fresh.to_dict()) == fresh
 
@@ -138,11 +135,10 @@ def test_collate_fixed_lengths_and_refusals():
         collate([], pad_token_id=0)
 
 
-def test_metadata_carries_rewards_and_turns():
-    """Contract: per-sample metadata exposes what the reward stage needs (tool/interaction rewards, turns)."""
-    md = _multi_turn().metadata()
-    assert md["finish_reason"] == "stop"
-    assert md["tool_reward"] == pytest.approx(0.5)
-    assert md["interaction_scores"] == [1.0]
-    assert [t["role"] for t in md["turns"]] == ["assistant", "tool", "assistant", "user", "assistant"]
-    json.dumps(md)  # plain data only
+def test_assistant_turn_ends_locate_turn_indexed_rewards():
+    """Contract: turn k's recorded rewards belong on `assistant_turn_ends[k]`, the last token of assistant turn k
+    (a sampled token), whatever tool and user turns lie in between."""
+    t = _multi_turn()
+    assert t.assistant_turn_ends == [2, 5, 8]
+    assert all(t.response_mask[i] == 1 for i in t.assistant_turn_ends)
+    assert t.assistant_turn_ends[t.tool_calls[0].turn] == 2 and t.assistant_turn_ends[t.interaction_scores[0].turn] == 5

@@ -35,8 +35,7 @@ logger = logging.getLogger(__name__)
 class PromptBatch:
     """One training step's prompts."""
 
-    prompts: list[RolloutPrompt]  # `train_batch_size` prompts, each rolled out `n` times
-    data_sources: dict[str, str]  # prompt uid -> the row's data_source (picks the outcome scorer)
+    prompts: list[RolloutPrompt]  # `train_batch_size` prompts, each rolled out `n` times (data source, ground truth on each)
     epoch: int  # pass over the dataset this batch belongs to
 
 
@@ -64,7 +63,7 @@ class RLDataset:
         tokenizer: Any = None,
         max_prompt_length: int | None = None,
     ):
-        self.items: list[tuple[RolloutPrompt, str]] = []
+        self.items: list[RolloutPrompt] = []
         dropped_kinds: set[str] = set()
         overlong = 0
         for where, row in read_parquet_rows(files):
@@ -77,7 +76,7 @@ class RLDataset:
                 if len(ids) > max_prompt_length:
                     overlong += 1
                     continue
-            self.items.append((prompt, str(row["data_source"])))
+            self.items.append(prompt)
         for kind in sorted(dropped_kinds):
             logger.warning("rows carry %s but none are configured; ignoring them", kind)
         if overlong:
@@ -127,11 +126,7 @@ class RLDataset:
             if shuffle:
                 random.Random(seed + epoch).shuffle(order)
             for start in range(0, len(order) - batch_size + 1, batch_size):
-                prompts, sources = [], {}
-                for pos in order[start:start + batch_size]:
-                    base, source = self.items[pos]
-                    uid = f"e{epoch}/{pos}"
-                    prompts.append(dataclasses.replace(base, uid=uid))
-                    sources[uid] = source
-                yield PromptBatch(prompts=prompts, data_sources=sources, epoch=epoch)
+                chosen = order[start:start + batch_size]
+                yield PromptBatch(prompts=[dataclasses.replace(self.items[pos], uid=f"e{epoch}/{pos}") for pos in chosen],
+                                  epoch=epoch)
             epoch += 1

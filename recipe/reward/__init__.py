@@ -1,31 +1,29 @@
-"""Outcome rewards: one score per trajectory, picked by the data row's `data_source`.
+"""Rewards, in one place: outcome scorers by data source (or verl's custom_reward_function), tool and
+interaction rewards at their recorded turns, combined by the `reward.*` weights (see `scoring`).
 
-`score_trajectory` reads the policy's own text (assistant messages only) and the row's
-ground truth and asks the task's scorer. Tool step rewards and interaction scores are
-recorded by the rollout; `recipe.trainer` places all three on the token axis
-(`recipe.algos.place_token_rewards`), each with its own weight.
+`gsm8k` holds the GSM8K answer scorer that the outcome reward, the gsm8k tool and the gsm8k
+interaction all use.
 """
-from __future__ import annotations
+from recipe.reward.scoring import (
+    SCORERS,
+    CustomRewardFunctionConfig,
+    RewardConfig,
+    RewardFn,
+    RewardTerms,
+    default_compute_score,
+    load_compute_score,
+    policy_text,
+    register_scorer,
+)
 
-from collections.abc import Callable
-from typing import Any
-
-from recipe.reward import gsm8k
-
-Scorer = Callable[[str, Any], float]
-
-SCORERS: dict[str, Scorer] = {source: gsm8k.compute_score for source in gsm8k.DATA_SOURCES}
-
-
-def policy_text(messages: list[dict[str, Any]]) -> str:
-    """The assistant messages of a chat, joined by newlines (what the policy wrote)."""
-    return "\n".join(str(m.get("content") or "") for m in messages if m.get("role") == "assistant")
-
-
-def score_trajectory(data_source: str, messages: list[dict[str, Any]], ground_truth: Any) -> float:
-    """Outcome score of one trajectory with the scorer registered for `data_source`."""
-    scorer = SCORERS.get(data_source)
-    if scorer is None:
-        raise ValueError(f"no outcome scorer for data_source {data_source!r}; known: {sorted(SCORERS)} "
-                         "(register one in recipe.reward.SCORERS)")
-    return float(scorer(policy_text(messages), ground_truth))
+__all__ = [
+    "SCORERS",
+    "CustomRewardFunctionConfig",
+    "RewardConfig",
+    "RewardFn",
+    "RewardTerms",
+    "default_compute_score",
+    "load_compute_score",
+    "policy_text",
+    "register_scorer",
+]

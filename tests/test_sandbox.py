@@ -1,8 +1,10 @@
 """Python sandbox containment: hostile code is contained and reported as a tool response, the host is unharmed.
 
 Every test runs through the real `python` tool behind its `ToolRunner` (as the agent loop calls it),
-in each isolation mode this machine supports: "namespaces" (unshare + privilege drop) and the
-"rlimits" fallback used where namespaces are unavailable.
+in each isolation mode this machine supports: "namespaces" (unshare + privilege drop, the sandbox) and,
+for the resource limits only, "rlimits_unsafe" (chosen explicitly; not a sandbox). The escapes that
+"rlimits_unsafe" leaves open are tested closed in "namespaces" mode, and the weak mode is refused unless
+it is named.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ MODES = [
             not namespaces_available(shutil.which("unshare"), AS_ROOT), reason="unshare cannot create namespaces here"
         ),
     ),
-    "rlimits",
+    "rlimits_unsafe",
 ]
+HAS_NAMESPACES = namespaces_available(shutil.which("unshare"), AS_ROOT)
+needs_namespaces = pytest.mark.skipif(not HAS_NAMESPACES, reason="unshare cannot create namespaces here")
 
 
 @pytest.fixture(autouse=True, params=["asyncio", "uvloop"])
@@ -126,7 +130,7 @@ def assert_later_calls_work(runner) -> None:
 @pytest.mark.parametrize("isolation", MODES)
 def test_reading_files_outside_the_sandbox_is_denied(isolation, tmp_path):
     """Containment: /etc/shadow, /root and a secret in another temp dir are unreadable; the secret is intact."""
-    if not AS_ROOT and isolation == "rlimits":
+    if not AS_ROOT and isolation == "rlimits_unsafe":
         pytest.skip("without root there is no other user to drop to; only namespaces hide the caller's files")
     secret = tmp_path / "secret.txt"
     secret.write_text("TOP-SECRET-42")
@@ -284,7 +288,7 @@ def test_code_runs_in_its_own_fresh_directory(isolation):
 @pytest.mark.unit
 def test_empty_code_argument_is_reported():
     """A call without code gets an error message naming the argument, not a crash."""
-    result = run_code(python_runner("rlimits"), "   ")
+    result = run_code(python_runner("rlimits_unsafe"), "   ")
     assert "argument 'code' must be non-empty Python code" in result.text
 
 
@@ -325,13 +329,124 @@ def test_output_printed_before_a_kill_is_kept(isolation):
 
 @pytest.mark.unit
 def test_shipped_python_tool_config_runs_code():
-    """tool_configs/python_tool_config.yaml builds a working `python` tool with the best isolation available."""
+    """tool_configs/python_tool_config.yaml builds a working `python` tool in namespaces mode (the sandbox)."""
+    if not HAS_NAMESPACES:
+        pytest.skip("the shipped config asks for namespaces, which this machine cannot create")
     registry = ToolRegistry.from_config(
         Path(__file__).resolve().parents[1] / "tool_configs" / "python_tool_config.yaml"
     )
     runner = registry.runner("python")
     result = run_code(runner, "import math\nprint(math.factorial(10))")
     assert result.error is None and "stdout:\n3628800" in result.text
-    expected = "namespaces" if namespaces_available(shutil.which("unshare"), AS_ROOT) else "rlimits"
-    assert result.metrics["isolation"] == expected
+    assert result.metrics["isolation"] == "namespaces"
     assert registry.counts() == {"python": (1, 1)}
+
+
+# ---------------------------------------------------------------- the escapes rlimits mode leaves open
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("isolation", ["rlimits", "auto", "none"])
+def test_weak_or_unknown_isolation_is_refused_unless_named_unsafe(isolation, caplog):
+    """No silent fallback: only 'namespaces' or an explicit 'rlimits_unsafe' (which warns) build a sandbox."""
+    with pytest.raises(Exception, match="rlimits_unsafe"):
+        python_runner(isolation)
+    with caplog.at_level("WARNING", logger="rollout.tools.sandbox"):
+        python_runner("rlimits_unsafe")
+    assert "NOT a sandbox" in caplog.text
+
+
+@pytest.mark.unit
+@needs_namespaces
+def test_world_readable_files_outside_the_work_dir_are_not_visible(tmp_path):
+    """Escape 1 closed: a world-readable file in a world-readable directory of the host (the test's temp dir,
+    the repository) cannot be read from inside."""
+    secret_dir = tmp_path / "public"
+    secret_dir.mkdir(mode=0o755)
+    secret = secret_dir / "readable.txt"
+    secret.write_text("WORLD-READABLE-7")
+    secret.chmod(0o644)
+    repo_file = Path(__file__).resolve()
+    code = f"""
+for path in [{str(secret)!r}, {str(repo_file)!r}]:
+    try:
+        print("READ", open(path).read()[:40])
+    except OSError as e:
+        print("DENIED", type(e).__name__)
+"""
+    result = run_code(python_runner("namespaces"), code)
+    assert "WORLD-READABLE-7" not in result.text and "READ" not in result.text
+    assert result.text.count("DENIED") == 2
+
+
+@pytest.mark.unit
+@needs_namespaces
+def test_files_left_in_tmp_var_tmp_dev_shm_do_not_outlive_the_call():
+    """Escape 2 closed: files written to /tmp, /var/tmp and /dev/shm are not on the host and not seen by the
+    next call."""
+    tag = f"polyturn-escape-{random.randrange(10**9)}"
+    runner = python_runner("namespaces")
+    code = f"""
+for d in ["/tmp", "/var/tmp", "/dev/shm"]:
+    try:
+        open(d + "/{tag}", "w").write("x")
+        print("WROTE", d)
+    except OSError as e:
+        print("REFUSED", d, type(e).__name__)
+"""
+    run_code(runner, code)
+    for d in ("/tmp", "/var/tmp", "/dev/shm"):
+        assert not Path(d, tag).exists(), f"{d}/{tag} outlived the call on the host"
+    later = run_code(runner, f"import os\nprint([d for d in ['/tmp', '/var/tmp', '/dev/shm'] if os.path.exists(d + '/{tag}')])")
+    assert "stdout:\n[]" in later.text
+
+
+@pytest.mark.integration
+@needs_namespaces
+def test_setsid_double_fork_does_not_outlive_the_call(tmp_path):
+    """Escape 3 closed: a grandchild detached with setsid (out of the run's process group) dies with the call."""
+    runner = python_runner("namespaces")
+    code = """
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(60)
+        os._exit(0)
+    os._exit(0)
+time.sleep(0.2)
+print("detached")
+"""
+    result = run_code(runner, code)
+    assert "detached" in result.text
+    assert survivors(runner) == set()
+
+
+@pytest.mark.unit
+@needs_namespaces
+def test_code_that_strips_python_guards_still_cannot_reach_the_host():
+    """Escape 4 closed: without any in-process hook to remove, code that starts programs and opens sockets
+    reaches neither the host's network nor its files."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    tag = f"polyturn-escape-{random.randrange(10**9)}"
+    code = f"""
+import os, socket, subprocess
+subprocess.run(["/bin/sh", "-c", "echo x > /tmp/{tag}"])
+try:
+    socket.create_connection(("127.0.0.1", {port}), timeout=1)
+    print("CONNECTED")
+except OSError as e:
+    print("NO NETWORK", type(e).__name__)
+"""
+    try:
+        result = run_code(python_runner("namespaces"), code)
+        with pytest.raises(socket.timeout):
+            server.accept()
+    finally:
+        server.close()
+    assert "NO NETWORK" in result.text and "CONNECTED" not in result.text
+    assert not Path("/tmp", tag).exists()

@@ -6,8 +6,8 @@ size, truncated output). The step reward is 0.0: this tool computes, it does not
 
 Config keys (YAML `config`): `timeout_s` is the runner's limit and, minus one second, the
 sandbox's wall-clock limit; `cpu_time_s`, `memory_mb`, `file_size_mb`, `max_processes`,
-`disk_mb`, `max_output_bytes` map to `SandboxLimits`; `isolation` ("auto" | "namespaces" |
-"rlimits"); `python_executable`; `uid_range` ([low, high): uids drawn per run when running as root).
+`disk_mb`, `max_output_bytes` map to `SandboxLimits`; `isolation` ("namespaces", the default,
+or "rlimits_unsafe", which is not a sandbox); `python_executable`; `uid_range` ([low, high): uids drawn per run when running as root).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class PythonTool(BaseTool):
         self.code_argument = self.config.get("code_argument", "code")
         self.sandbox = Sandbox(
             SandboxLimits(**limits),
-            isolation=self.config.get("isolation", "auto"),
+            isolation=self.config.get("isolation", "namespaces"),
             python_executable=self.config.get("python_executable"),
             uid_range=tuple(self.config.get("uid_range", DEFAULT_UID_RANGE)),
         )

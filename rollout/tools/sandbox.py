@@ -20,11 +20,14 @@ Every run gets a fresh process with, in order of strength:
 5. **Output caps**: stdout and stderr are kept up to `max_output_bytes` each; the rest is
    drained and dropped, and the result says it was truncated.
 
-Fallback when namespaces are unavailable (`isolation="rlimits"`, logged as a warning): 2-5
-still hold, the working directory is a fresh host temp dir, and a Python audit hook installed
-before the code runs refuses sockets, `ctypes` and starting other programs. That is weaker
-(an audit hook lives inside the process it guards); install util-linux's `unshare` (or run
-where namespaces are allowed) for real isolation.
+Namespaces are the only sandbox. Without them the run can be started only when the config says
+so explicitly, `isolation: rlimits_unsafe` (a warning is logged at start): 2-5 still hold, the
+working directory is a fresh host temp dir, and a Python audit hook refuses sockets, `ctypes`
+and starting other programs, but this is NOT a sandbox: the code can read every world-readable
+file of the host, leave files in /tmp, /var/tmp and /dev/shm that outlive the call, keep a
+process alive past the call (`setsid` + double fork escapes the process group), and undo the
+audit hook from inside. There is no silent fallback: with `isolation: namespaces` (the
+default) and no working `unshare`, building the sandbox fails naming the fix.
 
 Departs from typical RL sandboxes (SandboxFusion, E2B): no server, no container image; a run
 costs one `python3` start (~30 ms) and works offline on any Linux host.
@@ -50,9 +53,10 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 DEFAULT_UID_RANGE = (1_000_000, 1_000_000_000)  # uids with no passwd entry, one drawn per run
+ISOLATION_MODES = ("namespaces", "rlimits_unsafe")
 DEFAULT_HIDDEN_PATHS = ("/root", "/home", "/work", "/var/tmp", "/mnt", "/srv", "/run", "/builds")
 
-# Installed before user code in "rlimits" isolation only: refuses the events that reach
+# Installed before user code in "rlimits_unsafe" isolation only: refuses the events that reach
 # outside the process. Audit hooks cannot be removed once added.
 _AUDIT_PRELUDE = """\
 import sys as _s
@@ -95,7 +99,7 @@ class SandboxResult:
     timed_out: bool  # killed by the wall-clock timeout
     truncated: bool  # stdout or stderr exceeded max_output_bytes
     duration_s: float
-    isolation: str  # "namespaces" or "rlimits"
+    isolation: str  # "namespaces" or "rlimits_unsafe"
     uid: int | None = None  # uid the code ran as (None: privileges were not dropped)
     notes: list[str] = field(default_factory=list)  # human-readable reasons (limits hit)
 
@@ -119,7 +123,7 @@ def _world_executable(path: str) -> bool:
 
 
 def _workdir_parent() -> str:
-    """Where rlimits-mode work dirs go: the temp dir, unless the sandbox's unprivileged uid could not
+    """Where rlimits_unsafe work dirs go: the temp dir, unless the sandbox's unprivileged uid could not
     reach it (a private TMPDIR such as one made by `mktemp -d`); then /tmp."""
     parent = tempfile.gettempdir()
     reachable = all(os.stat(p).st_mode & 0o001 for p in (Path(parent), *Path(parent).parents))
@@ -158,14 +162,14 @@ def _unshare_flags(as_root: bool) -> list[str]:
 class Sandbox:
     """Runs Python source under `SandboxLimits`; `await sandbox.run(code)`.
 
-    `isolation`: "auto" (namespaces when available, else rlimits), "namespaces" (error if
-    unavailable) or "rlimits".
+    `isolation`: "namespaces" (the default; error if unavailable) or "rlimits_unsafe" (resource
+    limits and an audit hook only; not a sandbox, see the module docstring).
     """
 
     def __init__(
         self,
         limits: SandboxLimits | None = None,
-        isolation: str = "auto",
+        isolation: str = "namespaces",
         python_executable: str | None = None,
         hidden_paths: tuple[str, ...] = DEFAULT_HIDDEN_PATHS,
         uid_range: tuple[int, int] = DEFAULT_UID_RANGE,
@@ -175,20 +179,24 @@ class Sandbox:
         self.drop_privileges = self.as_root
         self.python = find_interpreter(python_executable, self.drop_privileges)
         unshare = shutil.which("unshare")
-        if isolation not in {"auto", "namespaces", "rlimits"}:
-            raise ValueError(f"sandbox isolation must be 'auto', 'namespaces' or 'rlimits', got {isolation!r}")
-        has_ns = isolation != "rlimits" and namespaces_available(unshare, self.as_root)
-        if isolation == "namespaces" and not has_ns:
-            raise RuntimeError(
-                "sandbox isolation 'namespaces' requested but `unshare` cannot create namespaces here; "
-                "install util-linux or use isolation='auto'"
+        if isolation not in ISOLATION_MODES:
+            raise ValueError(
+                f"sandbox isolation {isolation!r} is not one of {ISOLATION_MODES}: 'namespaces' is the sandbox; "
+                "'rlimits_unsafe' runs the code with resource limits only (it can read the host's world-readable "
+                "files, leave files and processes behind) and must be chosen knowingly"
             )
-        if self.drop_privileges and shutil.which("setpriv") is None and has_ns:
+        if isolation == "namespaces" and not namespaces_available(unshare, self.as_root):
+            raise RuntimeError(
+                "sandbox isolation 'namespaces' needs `unshare` (util-linux) able to create namespaces, which fails "
+                "here; run where namespaces are allowed, or set isolation: rlimits_unsafe to run code unsandboxed"
+            )
+        if self.drop_privileges and shutil.which("setpriv") is None and isolation == "namespaces":
             raise RuntimeError("running as root needs `setpriv` (util-linux) to drop privileges inside the sandbox")
-        self.isolation = "namespaces" if has_ns else "rlimits"
-        if self.isolation == "rlimits" and isolation == "auto":
+        self.isolation = isolation
+        if isolation == "rlimits_unsafe":
             logger.warning(
-                "sandbox: Linux namespaces unavailable; falling back to rlimits + audit hook (weaker isolation)"
+                "sandbox: isolation rlimits_unsafe is NOT a sandbox: the code can read the host's world-readable "
+                "files, leave files in /tmp, /var/tmp, /dev/shm and processes that outlive the call"
             )
         interp_dir = os.path.realpath(self.python)
         # Never hide the interpreter's own installation.

@@ -112,6 +112,14 @@ def build(cls: type, where: str, **kwargs: Any) -> Any:
         raise PluginConfigError(f"{where}: building {cls.__name__} failed: {type(exc).__name__}: {exc}") from exc
 
 
+def check_runner(runner_cls: Callable[[Any], Any], plugin: Any, where: str) -> None:
+    """Build a plug-in's runner once at load, so bad limits or schemas fail naming the entry."""
+    try:
+        runner_cls(plugin)
+    except ValueError as exc:
+        raise PluginConfigError(f"{where}: {exc}") from None
+
+
 def verl_interaction_name(class_name: str) -> str:
     """verl's default interaction name: `pkg.Gsm8kInteraction` -> `gsm8k`, `pkg.Judge` -> `judge`."""
     simple = class_name.rsplit(".", 1)[-1]
@@ -197,16 +205,27 @@ class PluginRunner(Generic[P]):
 
 
 class Registry(Generic[R]):
-    """The runners of one rollout's plug-ins of one kind, by name (unique)."""
+    """The runners of one rollout's plug-ins of one kind, by name (unique).
+
+    A kind sets `kind`, `runner_cls` (its runner) and `load` (YAML path or mapping -> plug-in objects).
+    """
 
     kind = "plug-in"
+    runner_cls: Callable[[Any], R]
+    load: Callable[[str | Path | dict[str, Any]], list[Any]]
 
-    def __init__(self, runners: list[R]):
+    def __init__(self, plugins: list[Any]):
         self.runners: dict[str, R] = {}
-        for runner in runners:
+        for plugin in plugins:
+            runner = self.runner_cls(plugin)
             if runner.name in self.runners:
                 raise PluginConfigError(f"two {self.kind}s are named {runner.name!r}; names must be unique")
             self.runners[runner.name] = runner
+
+    @classmethod
+    def from_config(cls, source: str | Path | dict[str, Any] | None) -> Registry[R]:
+        """Registry from a YAML path or mapping (None: none of this kind)."""
+        return cls(cls.load(source) if source is not None else [])
 
     @property
     def names(self) -> list[str]:

@@ -2,7 +2,7 @@
 with per-sample routing, the `InteractionRunner` that guarantees finalization, and built-ins."""
 
 from rollout.interactions.base import BaseInteraction
-from rollout.interactions.registry import InteractionConfigError, InteractionRegistry, build_interactions
+from rollout.interactions.registry import InteractionConfigError, InteractionRegistry
 from rollout.interactions.runner import InteractionRunner, InteractionTurn
 
 __all__ = [
@@ -11,5 +11,4 @@ __all__ = [
     "InteractionRegistry",
     "InteractionRunner",
     "InteractionTurn",
-    "build_interactions",
 ]

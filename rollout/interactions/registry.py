@@ -18,46 +18,36 @@ from pathlib import Path
 from typing import Any
 
 from rollout.interactions.runner import InteractionRunner
-from rollout.plugins import PluginConfigError, Registry, build, check_keys, import_class, read_entries, \
-    verl_interaction_name
+from rollout.plugins import PluginConfigError, Registry, build, check_keys, check_runner, import_class, \
+    read_entries, verl_interaction_name
 
 InteractionConfigError = PluginConfigError  # the interactions' name for it
 
 INTERACTION_METHODS = ("start_interaction", "generate_response", "calculate_score", "finalize_interaction")
 
 
-def build_interactions(source: str | Path | dict[str, Any]) -> list[Any]:
-    """All interactions of an interaction config (YAML path or mapping), in file order; each gets its
-    name in `config["name"]` (as verl does)."""
-    entries, label, _ = read_entries(source, "interaction")
-    out: list[Any] = []
-    for i, entry in enumerate(entries):
-        where = f"{label}: interaction[{i}]"
-        check_keys(entry, {"name", "class_name", "config"}, where)
-        cls = import_class(entry.get("class_name"), f"{where}.class_name", INTERACTION_METHODS)
-        config = dict(entry.get("config") or {})
-        config["name"] = entry.get("name") or verl_interaction_name(entry["class_name"])
-        interaction = build(cls, where, config=config)
-        try:
-            InteractionRunner(interaction)
-        except PluginConfigError as exc:
-            raise InteractionConfigError(f"{where}: {exc}") from None
-        out.append(interaction)
-    return out
-
-
 class InteractionRegistry(Registry[InteractionRunner]):
     """The interactions of one rollout, by name, each behind its `InteractionRunner`."""
 
     kind = "interaction"
+    runner_cls = InteractionRunner
 
-    def __init__(self, interactions: list[Any]):
-        super().__init__([InteractionRunner(i) for i in interactions])
-
-    @classmethod
-    def from_config(cls, source: str | Path | dict[str, Any] | None) -> InteractionRegistry:
-        """Registry from a YAML path or mapping (None: no interactions)."""
-        return cls(build_interactions(source) if source is not None else [])
+    @staticmethod
+    def load(source: str | Path | dict[str, Any]) -> list[Any]:
+        """All interactions of an interaction config (YAML path or mapping), in file order; each gets its
+        name in `config["name"]` (as verl does)."""
+        entries, label, _ = read_entries(source, "interaction")
+        out: list[Any] = []
+        for i, entry in enumerate(entries):
+            where = f"{label}: interaction[{i}]"
+            check_keys(entry, {"name", "class_name", "config"}, where)
+            cls = import_class(entry.get("class_name"), f"{where}.class_name", INTERACTION_METHODS)
+            config = dict(entry.get("config") or {})
+            config["name"] = entry.get("name") or verl_interaction_name(entry["class_name"])
+            interaction = build(cls, where, config=config)
+            check_runner(InteractionRunner, interaction, where)
+            out.append(interaction)
+        return out
 
     def resolve_name(self, interaction_kwargs: dict[str, Any] | None) -> str:
         """The interaction a sample is routed to; InteractionConfigError if there is none."""

@@ -2,7 +2,7 @@
 the `ToolRunner` that enforces limits, and built-ins (gsm8k answer checker, python sandbox, MCP)."""
 
 from rollout.tools.base import BaseTool
-from rollout.tools.registry import ToolConfigError, ToolRegistry, build_tools
+from rollout.tools.registry import ToolConfigError, ToolRegistry
 from rollout.tools.runner import ToolCallResult, ToolLimits, ToolRunner
 from rollout.tools.schemas import (
     OpenAIFunctionCallSchema,
@@ -24,5 +24,4 @@ __all__ = [
     "ToolResponse",
     "ToolRunner",
     "ToolSchemaError",
-    "build_tools",
 ]

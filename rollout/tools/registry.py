@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rollout.plugins import PluginConfigError, Registry, build, check_keys, import_class, read_entries
+from rollout.plugins import PluginConfigError, Registry, build, check_keys, check_runner, import_class, read_entries
 from rollout.tools.runner import ToolRunner
 from rollout.tools.schemas import OpenAIFunctionToolSchema, ToolSchemaError
 
@@ -31,50 +31,40 @@ TOOL_METHODS = ("create", "execute", "calc_reward", "release")
 _TOOL_TYPES = {"native", "mcp"}
 
 
-def build_tools(source: str | Path | dict[str, Any]) -> list[Any]:
-    """All tools of a tool config (YAML path or mapping), in file order."""
-    from rollout.tools.mcp_tool import tools_from_mcp_servers
-
-    entries, label, base_dir = read_entries(source, "tools")
-    tools: list[Any] = []
-    for i, entry in enumerate(entries):
-        where = f"{label}: tools[{i}]"
-        check_keys(entry, {"class_name", "config", "tool_schema", "mcp"}, where)
-        cls = import_class(entry.get("class_name"), f"{where}.class_name", TOOL_METHODS)
-        config = dict(entry.get("config") or {})
-        kind = config.get("type", "mcp" if "mcp" in entry else "native")
-        if kind not in _TOOL_TYPES or (kind == "mcp") != ("mcp" in entry):
-            raise ToolConfigError(f"{where}.config.type: {kind!r} needs {'an' if kind == 'mcp' else 'no'} `mcp:` "
-                                  "section; use type native (with tool_schema) or mcp (with mcp:)")
-        if "mcp" in entry:
-            built = tools_from_mcp_servers(cls, config, entry["mcp"], base_dir, where)
-        else:
-            try:
-                schema = OpenAIFunctionToolSchema.from_dict(entry.get("tool_schema"), where=f"{where}.tool_schema")
-            except ToolSchemaError as exc:
-                raise ToolConfigError(str(exc)) from None
-            built = [build(cls, where, config=config, tool_schema=schema)]
-        for tool in built:
-            try:
-                ToolRunner(tool)
-            except (PluginConfigError, ToolSchemaError) as exc:
-                raise ToolConfigError(f"{where}: {exc}") from None
-        tools.extend(built)
-    return tools
-
-
 class ToolRegistry(Registry[ToolRunner]):
     """The tools of one rollout, by name, each behind its `ToolRunner`."""
 
     kind = "tool"
+    runner_cls = ToolRunner
 
-    def __init__(self, tools: list[Any]):
-        super().__init__([ToolRunner(t) for t in tools])
+    @staticmethod
+    def load(source: str | Path | dict[str, Any]) -> list[Any]:
+        """All tools of a tool config (YAML path or mapping), in file order."""
+        from rollout.tools.mcp_tool import tools_from_mcp_servers
 
-    @classmethod
-    def from_config(cls, source: str | Path | dict[str, Any] | None) -> ToolRegistry:
-        """Registry from a YAML path or mapping (None: no tools)."""
-        return cls(build_tools(source) if source is not None else [])
+        entries, label, base_dir = read_entries(source, "tools")
+        tools: list[Any] = []
+        for i, entry in enumerate(entries):
+            where = f"{label}: tools[{i}]"
+            check_keys(entry, {"class_name", "config", "tool_schema", "mcp"}, where)
+            cls = import_class(entry.get("class_name"), f"{where}.class_name", TOOL_METHODS)
+            config = dict(entry.get("config") or {})
+            kind = config.get("type", "mcp" if "mcp" in entry else "native")
+            if kind not in _TOOL_TYPES or (kind == "mcp") != ("mcp" in entry):
+                raise ToolConfigError(f"{where}.config.type: {kind!r} needs {'an' if kind == 'mcp' else 'no'} `mcp:` "
+                                      "section; use type native (with tool_schema) or mcp (with mcp:)")
+            if "mcp" in entry:
+                built = tools_from_mcp_servers(cls, config, entry["mcp"], base_dir, where)
+            else:
+                try:
+                    schema = OpenAIFunctionToolSchema.from_dict(entry.get("tool_schema"), where=f"{where}.tool_schema")
+                except ToolSchemaError as exc:
+                    raise ToolConfigError(str(exc)) from None
+                built = [build(cls, where, config=config, tool_schema=schema)]
+            for tool in built:
+                check_runner(ToolRunner, tool, where)
+            tools.extend(built)
+        return tools
 
     def select(self, tools_kwargs: dict[str, Any] | None) -> list[str]:
         """Names of the tools a sample may use: the keys of its `tools_kwargs`, or all when it has none."""

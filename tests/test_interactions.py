@@ -299,4 +299,4 @@ def test_tutor_requires_reference_solution():
 
     with pytest.raises(ValueError, match="interaction_kwargs.solution"):
         asyncio.run(go())
-    assert runner.num_started == 0
+    assert runner.num_opened == 0

@@ -46,27 +46,15 @@ class InteractionRunner(PluginRunner[Any]):
         if self.timeout_s <= 0:
             raise PluginConfigError(f"interaction {self.name!r}: config.timeout_s must be > 0, got {self.timeout_s}")
 
-    @property
-    def interaction(self) -> Any:
-        return self.plugin
-
-    @property
-    def num_started(self) -> int:
-        return self.num_opened
-
-    @property
-    def num_finalized(self) -> int:
-        return self.num_closed
-
     def session(self, **interaction_kwargs: Any):
         """`async with runner.session(**interaction_kwargs) as iid:` — finalize guaranteed."""
-        return self._session(lambda: self._open(self.interaction.start_interaction(None, **interaction_kwargs)),
+        return self._session(lambda: self._open(self.plugin.start_interaction(None, **interaction_kwargs)),
                              "finalize_interaction", {})
 
     async def respond(self, instance_id: str, messages: list[dict[str, Any]], **kwargs: Any) -> InteractionTurn:
         """The next user turn; never raises (except for cancellation of the caller)."""
         try:
-            out = await self._timed(self.interaction.generate_response(instance_id, messages, **kwargs))
+            out = await self._timed(self.plugin.generate_response(instance_id, messages, **kwargs))
             should_terminate, text, score, metadata = out
             return InteractionTurn(bool(should_terminate), str(text or ""), float(score), dict(metadata or {}))
         except TimeoutError:

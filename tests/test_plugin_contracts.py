@@ -151,7 +151,6 @@ def test_verl_documented_tool_and_interaction_run_unchanged_through_the_agent_lo
 
     async def go():
         out = await loop.generate([prompt])
-        out = getattr(out, "trajectories", out)  # list[Trajectory] (before H3's seam change: RolloutOutput)
         score = await interactions.runner("teacher").calculate_score("any")
         await tools.aclose()
         return out, score

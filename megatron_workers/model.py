@@ -469,6 +469,13 @@ def iter_hf_tensors(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[st
             yield name, tensor
 
 
+def stage_hf_tensor_shapes(hf_config: Any, stage: int, pp: int) -> dict[str, tuple[int, ...]]:
+    """The HF tensors pipeline stage `stage` of `pp` exports (`iter_stage_hf_tensors`), in order, with shapes."""
+    shapes = hf_tensor_shapes(hf_config)
+    return {n: shapes[n] for s, rule in _export_plan(read_decoder_shape(hf_config), pp) if s == stage
+            for n in rule.hf_names}
+
+
 def iter_stage_hf_tensors(
     model: torch.nn.Module, hf_config: Any, *, dst_tp_rank: int | None = 0, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:

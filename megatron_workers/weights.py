@@ -2,12 +2,14 @@
 
 Each pipeline stage exports its own layers (`model.iter_stage_hf_tensors`): every tensor's TP
 shards are cast to the engine dtype and gathered over the stage's TP group one tensor at a time,
-then re-split into HF layout. The full tensors are copied into flat byte buckets of about
-`bucket_bytes` (the bucket plan is fixed by the tensor shapes, so every rank cuts the same
-buckets). A sender thread ships bucket k while the main thread gathers bucket k+1; a semaphore
-keeps at most two buckets alive, so peak extra memory stays under two buckets plus one tensor
-in flight. `peak_extra_bytes` in the returned metrics is measured, not derived: the largest sum
-of live bucket buffers plus the tensor being gathered, counted at the moment each is allocated.
+then re-split into HF layout. The full tensors are copied into flat byte buckets of at most
+`bucket_bytes` and one dtype (`bucket_by_bytes` plans them from the shapes alone, so every rank
+cuts the same buckets and each buffer is allocated at its exact size). A sender thread ships
+bucket k while the main thread gathers bucket k+1; a semaphore keeps at most two buckets alive.
+`peak_extra_bytes` in the returned metrics is measured, not derived: the largest sum, over the
+sync, of live bucket buffers plus the full tensor being copied in (counted when allocated,
+uncounted when freed); the TP gather's shard list, as large as that tensor and freed before the
+next one, is not counted.
 
 Two live paths, chosen by the caller (plain data in, plain metrics out):
 
@@ -55,7 +57,8 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 
 
 def bucket_by_bytes(named_tensors: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[list[NamedTensor]]:
-    """Consecutive groups of `(name, tensor)` whose sizes add up to at most `bucket_bytes`, in order.
+    """Consecutive groups of `(name, tensor)` of one dtype whose sizes add up to at most `bucket_bytes`,
+    in order (tensors may be on the meta device: only shapes and dtypes are read).
 
     A tensor larger than `bucket_bytes` forms its own bucket. Every tensor appears exactly once.
     """
@@ -65,7 +68,7 @@ def bucket_by_bytes(named_tensors: Iterable[NamedTensor], bucket_bytes: int) -> 
     size = 0
     for name, tensor in named_tensors:
         n = tensor_bytes(tensor)
-        if bucket and size + n > bucket_bytes:
+        if bucket and (size + n > bucket_bytes or tensor.dtype != bucket[0][1].dtype):
             yield bucket
             bucket, size = [], 0
         bucket.append((name, tensor))
@@ -106,40 +109,39 @@ class MemoryMeter:
             self.peak = max(self.peak, self.live)
 
 
-def stream_buckets(named: Iterator[NamedTensor], bucket_bytes: int, meter: MemoryMeter) -> Iterator[Bucket]:
-    """Pack a (name, tensor) stream into buckets of at most `bucket_bytes` (a bigger tensor alone).
+def stream_buckets(named: Iterator[NamedTensor], plan: list[list[NamedTensor]], meter: MemoryMeter) -> Iterator[Bucket]:
+    """Pack a (name, tensor) stream into the buckets of `plan` (from `bucket_by_bytes` on meta tensors).
 
-    Each tensor is copied into the buffer and dropped at once; the meter counts each gathered
-    tensor while it lives and each buffer until the consumer releases it (`meter.add(-nbytes)`).
+    A bucket's buffer is allocated at its exact size when its first tensor arrives, and every tensor
+    is copied in and dropped at once; the tensors lie back to back, unpadded (SGLang's flat-bucket
+    receiver expects that, hence one dtype per bucket). The meter counts each arriving tensor until
+    it is copied and each buffer until the consumer releases it (`meter.add(-nbytes)`).
     """
-    pending: list[NamedTensor] = []
-    size = 0
-    index = 0
-
-    def flush() -> Bucket:
-        flat = torch.empty(size, dtype=torch.uint8, device=pending[0][1].device)
-        meter.add(size)
-        b = Bucket(index, flat)
+    it = iter(named)
+    for index, planned in enumerate(plan):
+        size = sum(tensor_bytes(t) for _, t in planned)
+        flat: torch.Tensor | None = None
+        bucket = Bucket(index, torch.empty(0, dtype=torch.uint8))
         off = 0
-        for name, t in pending:
+        for want, meta in planned:
+            name, t = next(it)
+            if name != want or t.shape != meta.shape or t.dtype != meta.dtype:
+                raise RuntimeError(f"weight export produced {name} {tuple(t.shape)} {t.dtype} where the bucket plan "
+                                   f"expects {want} {tuple(meta.shape)} {meta.dtype}")
             n = tensor_bytes(t)
+            meter.add(n)
+            if flat is None:
+                flat = bucket.flat = torch.empty(size, dtype=torch.uint8, device=t.device)
+                meter.add(size)
             flat[off:off + n].copy_(t.reshape(-1).view(torch.uint8))
-            b.slots.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), off))
+            bucket.slots.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), off))
             off += n
+            del t
             meter.add(-n)
-        return b
-
-    for name, tensor in named:
-        n = tensor_bytes(tensor)
-        meter.add(n)
-        if pending and size + n > bucket_bytes:
-            yield flush()
-            index += 1
-            pending, size = [], 0
-        pending.append((name, tensor))
-        size += n
-    if pending:
-        yield flush()
+        yield bucket
+    leftover = next(it, None)
+    if leftover is not None:
+        raise RuntimeError(f"weight export produced {leftover[0]} beyond the bucket plan")
 
 
 def serialize(obj: Any) -> bytes:
@@ -223,9 +225,9 @@ def send_buckets(buckets: Iterator[Bucket], ship, meter: MemoryMeter) -> int:
     return count
 
 
-def send_stage(tensors: Iterator[NamedTensor], *, bucket_bytes: int, ship, checksums: bool) -> dict[str, Any]:
-    """Bucket a stage's HF tensor stream and ship every bucket (see `send_buckets`). Returns seconds,
-    bytes, buckets, peak_extra_bytes and, with `checksums`, per-tensor `stats` (see `tensor_stats`)."""
+def send_stage(tensors: Iterator[NamedTensor], plan: list[list[NamedTensor]], *, ship, checksums: bool) -> dict[str, Any]:
+    """Pack a stage's HF tensor stream into the planned buckets and ship each (see `send_buckets`).
+    Returns seconds, bytes, buckets, peak_extra_bytes and, with `checksums`, per-tensor `stats`."""
     meter = MemoryMeter()
     t0 = time.perf_counter()
     stats: dict[str, list[float]] = {}
@@ -239,7 +241,7 @@ def send_stage(tensors: Iterator[NamedTensor], *, bucket_bytes: int, ship, check
             nbytes += tensor_bytes(t)
             yield name, t
 
-    n = send_buckets(stream_buckets(counted(), bucket_bytes, meter), ship, meter)
+    n = send_buckets(stream_buckets(counted(), plan, meter), ship, meter)
     return {"seconds": time.perf_counter() - t0, "bytes": float(nbytes), "buckets": float(n),
             "peak_extra_bytes": float(meter.peak), "stats": stats}
 
@@ -312,7 +314,9 @@ class WeightSender:
         Also `bucket_bytes`, `dtype` (engine dtype name), `key` (unique per sync), `checksums` (bool).
         Returns metrics on ranks that received tensors, None elsewhere.
         """
-        from megatron_workers.model import iter_stage_hf_tensors
+        from megatron.core import parallel_state as mpu
+
+        from megatron_workers.model import iter_stage_hf_tensors, stage_hf_tensor_shapes
 
         tp_rank, stage, dp_rank = self._position()
         if dp_rank:
@@ -324,7 +328,12 @@ class WeightSender:
             dst = 0 if set(serializers) <= {0} else None  # gather to TP rank 0 when it serializes every copy
         else:
             mine, dst = [], 0
-        tensors = iter_stage_hf_tensors(module, hf_config, dst_tp_rank=dst, dtype=getattr(torch, plan["dtype"]))
+        dtype = getattr(torch, plan["dtype"])
+        tensors = iter_stage_hf_tensors(module, hf_config, dst_tp_rank=dst, dtype=dtype)
+        receives = dst is None or tp_rank == dst
+        shapes = stage_hf_tensor_shapes(hf_config, stage, mpu.get_pipeline_model_parallel_world_size())
+        metas = [(n, torch.empty(s, dtype=dtype, device="meta")) for n, s in shapes.items()] if receives else []
+        buckets = list(bucket_by_bytes(metas, plan["bucket_bytes"]))
         if mode == "tensor":
             def ship(b: Bucket) -> None:
                 import ray
@@ -348,5 +357,5 @@ class WeightSender:
                 pass
         else:
             raise ValueError(f"weight sync mode {mode!r} is not one of tensor, distributed, stats")
-        out = send_stage(tensors, bucket_bytes=plan["bucket_bytes"], ship=ship, checksums=plan.get("checksums", False))
+        out = send_stage(tensors, buckets, ship=ship, checksums=plan.get("checksums", False))
         return out if out["bytes"] else None

@@ -58,6 +58,7 @@ class WeightSync:
         self.serializers = self._serializers(tensor_senders)
         self.disk_dir = disk_dir
         self._groups: dict[int, str] | None = None  # distributed path: group name per pipeline stage
+        self.expected: dict[str, list[float]] = {}  # senders' checksums of the last checked sync, by HF name
 
     def _serializers(self, tensor_senders: list[list[int]] | None) -> dict[int, list[list[int]]]:
         """{megatron TP rank: [[engine index, engine TP rank], ...]} for the tensor path."""
@@ -145,16 +146,19 @@ class WeightSync:
         }
         if self.check:
             t_check = time.perf_counter()
-            expected = {k: v for r in sent for k, v in r["stats"].items()}
-            self.verify(expected)
+            self.expected = {k: v for r in sent for k, v in r["stats"].items()}
+            self.verify()
             metrics["weight_sync/check_seconds"] = time.perf_counter() - t_check
         return metrics
 
-    def verify(self, expected: dict[str, list[float]]) -> None:
-        """Compare every engine's served statistics with `expected`; raise WeightSyncError naming mismatches."""
-        for engine, served in zip(self.engines, ray.get([e.handle.call.remote("weight_checksums")
-                                                          for e in self.engines])):
-            bad = mismatches(expected, served)
+    def verify(self, engines: list[EngineClient] | None = None) -> None:
+        """Compare what `engines` (default: all) serve with the last checked sync's checksums; raise
+        WeightSyncError naming the engine and the stale or corrupted tensors."""
+        if not self.expected:
+            raise RuntimeError("no checksums to verify against: run sync() with check=True first")
+        engines = self.engines if engines is None else engines
+        for engine, served in zip(engines, ray.get([e.handle.call.remote("weight_checksums") for e in engines])):
+            bad = mismatches(self.expected, served)
             if bad:
                 raise WeightSyncError(
                     f"engine {engine.name} serves {len(bad)} tensor(s) that differ from the trainer's after the "

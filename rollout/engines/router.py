@@ -26,7 +26,7 @@ class EngineRouter:
 
     def __init__(self, engines: list[RolloutEngine]):
         if not engines:
-            raise ValueError("EngineRouter needs at least one engine; start one SGLangEngine per rollout replica")
+            raise ValueError("EngineRouter needs at least one engine; launch one EngineClient per rollout replica")
         self.engines = list(engines)
         self._inflight = [0] * len(self.engines)  # requests in flight per engine, counted by the router
         self._sticky: dict[str, int] = {}  # trajectory uid -> engine index

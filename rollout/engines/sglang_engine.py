@@ -23,6 +23,7 @@ import asyncio
 import atexit
 import contextlib
 import logging
+import pickle
 import tempfile
 import threading
 from collections.abc import Coroutine, Iterable
@@ -215,10 +216,9 @@ class SGLangEngine:
     def weight_checksums(self) -> dict[str, list[float]]:
         """`{hf_name: [sum, abs_sum, sum_of_squares]}` (float64) of the weights this engine serves,
         TP shards combined (replicated copies counted once); see `weight_probe`."""
-        from multiprocessing.reduction import ForkingPickler  # torch registers its tensor reductions there
-
         with tempfile.TemporaryDirectory(prefix=f"probe-{self.name}-") as out_dir:
-            payload = bytes(ForkingPickler.dumps([(weight_probe.probe_dir_name(out_dir), torch.zeros(1))]))
+            # plain pickle: the one-element placeholder goes by value, no shared handle to hand out per rank
+            payload = pickle.dumps([(weight_probe.probe_dir_name(out_dir), torch.zeros(1))])
             self.begin_weight_update()
             try:
                 self.update_weights_from_serialized([payload] * self._tp_size, load_format=weight_probe.LOADER)

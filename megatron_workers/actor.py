@@ -395,6 +395,55 @@ class MegatronRunner:
                 "weights are unchanged (check the loss function and the batch's advantages / log-probs)"
             )
 
+    # -- memory: offload/onload (colocated engines get the GPU between training phases) -----------
+    def offload(self, params: bool, grads: bool, optimizer: bool) -> None:
+        """Move the chosen state to CPU memory and free its device memory; `onload` brings it back.
+
+        Parameters held in DDP's contiguous buffer keep their views: the buffer's storage is
+        copied out and shrunk to 0, and regrown in place on onload (verl's approach). Gradient
+        buffers are only shrunk: every mini-batch zeroes them before use.
+        """
+        self._offloaded = {"params": params, "grads": grads, "optimizer": optimizer and self.optimizer is not None}
+        self._move(torch.device("cpu"))
+        torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Bring back to the device what `offload` moved (nothing when nothing was offloaded)."""
+        self._move(self._device)
+        self._offloaded = {}
+
+    def _move(self, device: torch.device) -> None:
+        what = getattr(self, "_offloaded", {})
+        to_cpu = device.type == "cpu"
+        buffered: set[int] = set()
+        for chunk in self.model:
+            ddp_buffers = chunk.buffers + chunk.expert_parallel_buffers if isinstance(chunk, DistributedDataParallel) else []
+            for buf in ddp_buffers:
+                if what.get("params") and buf.param_data is not None:
+                    buffered.update(id(p) for p in buf.params)
+                    _move_storage(buf, "param_data", device, keep=True)
+                if what.get("grads") and buf.grad_data is not None:
+                    _move_storage(buf, "grad_data", device, keep=False)
+        model_params = {id(p) for chunk in self.model for p in chunk.parameters()}
+        if what.get("params"):
+            for chunk in self.model:
+                for p in chunk.parameters():
+                    if id(p) not in buffered:
+                        p.data = p.data.to(device, non_blocking=to_cpu)
+        if what.get("optimizer"):
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                inner = opt.optimizer  # the torch optimizer: main params (when not the model's) and Adam states
+                for group in inner.param_groups:
+                    for p in group["params"]:
+                        if id(p) not in model_params:
+                            p.data = p.data.to(device, non_blocking=to_cpu)
+                for state in inner.state.values():
+                    for k, v in state.items():
+                        if torch.is_tensor(v):
+                            state[k] = v.to(device, non_blocking=to_cpu)
+        if to_cpu:
+            torch.cuda.synchronize()  # the copies must land before the device memory is reused
+
     # -- checkpoint -----------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> None:
         """Write this rank's model shard, optimizer, scheduler, RNG states and step (`checkpoint.py`)."""
@@ -412,6 +461,30 @@ class MegatronRunner:
     def export_hf(self, path: str) -> None:
         """Write an HF checkpoint directory (gathered to global rank 0; collective)."""
         checkpoint.export_hf(path, self.module, self.hf_config, self.hf_dir)
+
+
+def _move_storage(buf: Any, attr: str, device: torch.device, keep: bool) -> None:
+    """Offload (device "cpu") or onload a DDP buffer's flat tensor in place, so views into it stay valid.
+
+    `keep=False` (gradients) drops the values instead of copying them out; onload then zeroes the buffer.
+    """
+    flat = getattr(buf, attr)
+    storage = flat.untyped_storage()
+    if device.type == "cpu":
+        if flat.device.type == "cpu" or storage.size() == 0:
+            return  # nothing to free: already in CPU memory, or offloaded before
+        if keep:
+            setattr(buf, f"_{attr}_cpu", flat.detach().to("cpu"))
+        storage.resize_(0)
+        return
+    if storage.size() == 0:
+        storage.resize_(flat.numel() * flat.element_size())
+        saved = getattr(buf, f"_{attr}_cpu", None)
+        if saved is None:
+            flat.zero_()
+        else:
+            flat.copy_(saved)
+            setattr(buf, f"_{attr}_cpu", None)
 
 
 def _finalize_grads_summed(model, num_tokens=None, **kwargs) -> None:

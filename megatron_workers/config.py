@@ -57,6 +57,12 @@ class MegatronConfig:
     """Ranks that split each layer's weights (Megatron TP)."""
     pipeline_model_parallel_size: int = 1
     """Ranks that split the layers into stages (Megatron PP)."""
+    param_offload: bool = False
+    """Keep the parameters in CPU memory outside the training phase (colocated engines get the GPU memory)."""
+    grad_offload: bool = False
+    """Keep the gradient buffers in CPU memory outside the training phase."""
+    optimizer_offload: bool = False
+    """Keep the optimizer states in CPU memory outside the training phase."""
 
     def __post_init__(self) -> None:
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):

@@ -137,6 +137,9 @@ class ActorRolloutRefConfig:
     """The policy's (and reference's) Megatron ranks and loss."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The SGLang engines and the agent loop."""
+    hybrid_engine: bool = True
+    """Placement mode (recipe.placement): true = hybrid, the engines share the trainer's GPUs with the
+    actor, ref and critic ranks; false = separate, the engines get their own pool (top-level `rollout.*`)."""
 
 
 @dataclass
@@ -159,9 +162,10 @@ class TrainerConfig:
     default_local_dir: str = "outputs/run"
     """Output directory: metrics.jsonl, wandb files, the tiny model (CPU preset)."""
     n_gpus_per_node: int = 1
-    """Megatron ranks per node (CPU processes without a GPU)."""
+    """GPUs per node of the trainer pool: one placement bundle and one Megatron rank of each role per GPU
+    (on a Ray cluster without GPUs, a CPU-share bundle each)."""
     nnodes: int = 1
-    """Nodes."""
+    """Nodes of the trainer pool (recipe.placement); more than one: join a Ray cluster (RAY_ADDRESS)."""
 
     def __post_init__(self) -> None:
         unknown = [x for x in self.logger if x not in LOGGERS]
@@ -173,6 +177,21 @@ class TrainerConfig:
         if self.rollout_timeout_s is not None and self.rollout_timeout_s <= 0:
             raise ConfigError(f"trainer.rollout_timeout_s is {self.rollout_timeout_s}; it must be > 0 (or null)")
         self.default_local_dir = str(Path(self.default_local_dir).expanduser().resolve())
+
+
+@dataclass
+class RolloutPoolConfig:
+    """`rollout.*` (verl's top-level section): the engines' own GPUs, used with actor_rollout_ref.hybrid_engine=false."""
+
+    nnodes: int | None = None
+    """Nodes of the engines' pool."""
+    n_gpus_per_node: int | None = None
+    """GPUs per node of the engines' pool."""
+
+    def __post_init__(self) -> None:
+        for key in ("nnodes", "n_gpus_per_node"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ConfigError(f"rollout.{key} is {getattr(self, key)}; it must be >= 1 (or null)")
 
 
 @dataclass
@@ -203,6 +222,8 @@ class PPOConfig:
     """`custom_reward_function.*`."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """`trainer.*`."""
+    rollout: RolloutPoolConfig = field(default_factory=RolloutPoolConfig)
+    """`rollout.*`."""
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
     """`ray_init.*`."""
 

@@ -1,20 +1,23 @@
 """Entry point: `python -m recipe.main_ppo [--config-name PRESET] [key=value ...]` (Hydra).
 
-Validates the config into `PPOConfig` (errors name the key before anything starts), finds the
-model (a local directory, a hub id downloaded here, or the tiny test model written into the
-output dir by the CPU preset), loads and validates the data against the tool and interaction
-registries, starts a local Ray cluster, builds the Megatron actor group (+ reference when a
-KL term is used, + critic for GAE) and the SGLang engines, and runs the trainer.
+Validates the config into `PPOConfig` and plans the placement (`recipe.placement`; errors name
+the key before anything starts), finds the model (a local directory, a hub id downloaded here,
+or the tiny test model written into the output dir by the CPU preset), loads and validates the
+data against the tool and interaction registries, joins the Ray cluster at `RAY_ADDRESS` (after
+`ray start --head` / `ray start --address=...` on the nodes) or starts a local one, creates the
+plan's placement groups, builds the Megatron actor group (+ reference when a KL term is used,
++ critic for GAE) and the engines as Ray actors on their bundles, and runs the trainer.
 
-Where it departs from verl's `main_ppo`: the SGLang engines run in this (driver) process,
-each with its scheduler in its own subprocesses, rather than inside the actor's Ray workers;
-weights reach them from the actor group as HF-named tensor buckets.
+Where it departs from verl's `main_ppo`: the driver holds handles only and imports no SGLang;
+the reference and critic share the actor's GPUs (and, in hybrid mode, the engines too) instead of
+asking for resource pools of their own.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from megatron_workers import cpu_compat
 from recipe.config_schema import PPOConfig, is_hub_id
 from recipe.data.dataset import PromptBatch, RLDataset
+from recipe.placement import Placement, PlacementPlan, plan_placement
 from recipe.tracking import Tracking
 from recipe.trainer import Trainer, Workers
 
@@ -45,46 +49,64 @@ def model_dir(cfg: PPOConfig) -> str:
 
 
 def start_ray(cfg: PPOConfig) -> None:
-    """A local Ray cluster with `ray_init.num_cpus` CPUs (reuses one already started)."""
+    """Join the cluster at `RAY_ADDRESS` when it is set, else start a local one with `ray_init.*` (reuses a
+    connection this process already has)."""
     import ray
 
-    if not ray.is_initialized():
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address="auto", log_to_driver=True)
+        logger.info("joined the Ray cluster at %s: %s", os.environ["RAY_ADDRESS"], ray.cluster_resources())
+    else:
         ray.init(num_cpus=cfg.ray_init.num_cpus, _temp_dir=cfg.ray_init.temp_dir, include_dashboard=False,
                  log_to_driver=True)
 
 
-def build_workers(cfg: PPOConfig, model_path: str) -> Workers:
-    """Megatron groups (actor, reference if a KL term is used, critic for GAE) and the SGLang engines."""
+def build_workers(cfg: PPOConfig, model_path: str, plan: PlacementPlan) -> Workers:
+    """The plan's placement groups, the Megatron groups (actor, reference if a KL term is used, critic for
+    GAE) and the engines on their bundles, and the weight sync between them."""
     from transformers import AutoConfig
 
     from megatron_workers.actor import MegatronActor
     from megatron_workers.critic import MegatronCritic
     from megatron_workers.worker_group import MegatronWorkerGroup, ParallelLayout
-    from rollout.engines.sglang_engine import SGLangEngine
+    from recipe.weight_sync import WeightSync
+    from rollout.engines.engine_actor import EngineClient
 
     ar = cfg.actor_rollout_ref
     m = ar.actor.megatron
     layout = ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size, dp=cfg.dp_size)
     hf_config = AutoConfig.from_pretrained(model_path)
+    placement = Placement(plan)
 
-    def group(role: type, role_cfg, **kwargs) -> MegatronWorkerGroup:
-        g = MegatronWorkerGroup(layout, hf_config=hf_config, seed=cfg.trainer.seed)
-        g.build(functools.partial(role, model_path, role_cfg, **kwargs))
+    def group(role: str, cls: type, role_cfg, **kwargs) -> MegatronWorkerGroup:
+        g = MegatronWorkerGroup(layout, placement.rank_options(role), hf_config=hf_config, seed=cfg.trainer.seed)
+        placement.check_ranks(role, [info.gpu_ids for info in g.ranks])
+        g.build(functools.partial(cls, model_path, role_cfg, **kwargs))
         return g
 
     temperature = ar.rollout.temperature
-    actor = group(MegatronActor, ar.actor, temperature=temperature)
-    ref = group(MegatronActor, dataclasses.replace(ar.actor, optim=None), temperature=temperature) \
-        if cfg.use_reference else None
-    critic = group(MegatronCritic, cfg.critic) if cfg.use_critic else None
+    actor = group("actor", MegatronActor, ar.actor, temperature=temperature)
+    ref = group("ref", MegatronActor, dataclasses.replace(ar.actor, optim=None), temperature=temperature) \
+        if "ref" in plan.roles else None
+    critic = group("critic", MegatronCritic, cfg.critic) if "critic" in plan.roles else None
     r = ar.rollout
     engines = [
-        SGLangEngine(model_path, name=f"engine{i}", dtype=r.dtype, tp_size=r.tensor_model_parallel_size,
-                     base_gpu_id=i * r.tensor_model_parallel_size, mem_fraction_static=r.gpu_memory_utilization,
-                     max_total_tokens=r.max_total_tokens, random_seed=cfg.trainer.seed + i, log_level="error")
-        for i in range(r.num_engines)
+        EngineClient.launch(model_path, name=f"engine{i}", ray_options=placement.engine_options(i), tp_size=e.tp,
+                            base_gpu_id=e.base_gpu_id, dtype=r.dtype, mem_fraction_static=r.gpu_memory_utilization,
+                            max_total_tokens=r.max_total_tokens, random_seed=cfg.trainer.seed + i, log_level="error",
+                            enable_memory_saver=plan.hybrid and placement.use_gpus)
+        for i, e in enumerate(plan.engines)
     ]
-    return Workers(actor=actor, ref=ref, critic=critic, engines=engines)
+    weight_sync = WeightSync(
+        actor, engines, mode=r.update_weights_mode or ("tensor" if plan.hybrid else "distributed"),
+        bucket_bytes=r.update_weights_bucket_megabytes << 20, engine_dtype=r.dtype, check=r.check_weights,
+        tensor_senders=plan.tensor_senders, disk_dir=str(Path(cfg.trainer.default_local_dir) / "weight_sync"))
+    # Engines and ranks take turns on GPU memory only where there is some: on a cluster without GPUs
+    # there is nothing to hand over (and SGLang 0.5.23's release ends in torch.cuda.synchronize()).
+    return Workers(actor=actor, ref=ref, critic=critic, engines=engines, weight_sync=weight_sync,
+                   colocated=plan.hybrid and placement.use_gpus, placement=placement)
 
 
 def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Iterator[PromptBatch]]:
@@ -95,6 +117,7 @@ def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Ite
     from rollout.interactions.registry import InteractionRegistry
     from rollout.tools.registry import ToolRegistry
 
+    plan = plan_placement(cfg)  # refuses a layout that cannot fit before anything starts
     path = model_dir(cfg)
     tokenizer = AutoTokenizer.from_pretrained(path)
     mt = cfg.actor_rollout_ref.rollout.multi_turn
@@ -104,7 +127,7 @@ def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Ite
                         max_prompt_length=cfg.data.max_prompt_length)
     logger.info("data: %d prompts from %s", len(dataset), cfg.data.train_files)
     start_ray(cfg)
-    workers = build_workers(cfg, path)
+    workers = build_workers(cfg, path, plan)
     loop = AgentLoop(workers.engines, tokenizer, cfg.actor_rollout_ref.rollout, tools=tools, interactions=interactions)
     t = cfg.trainer
     tracker = Tracking(t.logger, t.project_name, t.experiment_name, t.default_local_dir, config=config_dict)
@@ -121,9 +144,7 @@ def run(cfg: PPOConfig, config_dict: dict | None = None) -> None:
         trainer.fit(batches)
     finally:
         trainer.close()
-        for engine in trainer.workers.engines:
-            engine.shutdown()
-        ray.shutdown()
+        ray.shutdown()  # a joined cluster keeps running; this process only disconnects
 
 
 @hydra.main(config_path="config", config_name="ppo_trainer", version_base="1.3")

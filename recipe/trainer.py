@@ -4,9 +4,16 @@ The trainer drives parts that live elsewhere and passes each only plain data: th
 (`rollout`) returns trajectories, the one record that crosses the seam; `recipe.reward` scores
 them and `recipe.batch.collate` pads them into tensors; Megatron worker
 groups (`megatron_workers`, Ray actors) return log-probs / values and take PPO updates whose loss
-functions come from `recipe.algos`; weights go back to every SGLang engine as HF-named tensors in
-byte-size buckets (`megatron_workers.weights`), each engine's weight version is bumped and its
-prefix cache flushed, so step k's rollout samples with the weights of step k-1's update.
+functions come from `recipe.algos`; `recipe.weight_sync` streams the actor's weights into every
+engine (Ray actors, `rollout.engines.engine_actor`) under a new version with the prefix cache
+flushed, so step k's rollout samples with the weights of step k-1's update.
+
+Colocated (hybrid placement), the engines and the Megatron ranks take turns on the same GPUs,
+in this order every step: rollout -> engines release their memory -> Megatron state back on the
+GPU (when `actor_rollout_ref.actor.megatron.*_offload`) -> train -> offload again -> engines
+resume their weights -> sync -> engines resume their KV cache. On a Ray cluster without GPUs
+there is no GPU memory to hand over (`Workers.colocated` is false there, see recipe.main_ppo);
+tests/test_colocate.py checks the order with recorders around this same `step`.
 
 Where it departs from verl's `RayPPOTrainer.fit`:
 - Rewards are several kinds on the token axis (`recipe.algos.place_token_rewards`), each with a
@@ -38,7 +45,6 @@ from typing import Any
 
 import torch
 
-from megatron_workers.weights import bucket_by_bytes
 from megatron_workers.worker_group import MegatronWorkerGroup, concat_results
 from recipe.algos import (
     AdvantageInputs,
@@ -69,7 +75,13 @@ class Workers:
     actor: MegatronWorkerGroup
     ref: MegatronWorkerGroup | None
     critic: MegatronWorkerGroup | None
-    engines: list[Any]  # rollout.engines.sglang_engine.SGLangEngine (weight-sync receive side)
+    engines: list[Any]  # rollout.engines.engine_actor.EngineClient: Ray actor handles, one SGLang engine each
+    weight_sync: Any  # recipe.weight_sync.WeightSync: actor -> engines
+    colocated: bool  # hybrid placement: engines and Megatron ranks share GPUs, so they take turns on them
+    placement: Any = None  # recipe.placement.Placement holding everyone's bundles (removed by close)
+
+    def groups(self) -> list[MegatronWorkerGroup]:
+        return [g for g in (self.actor, self.ref, self.critic) if g is not None]
 
 
 def trainable(trajs: list[Trajectory], multiple: int) -> list[Trajectory]:
@@ -140,6 +152,7 @@ class Trainer:
         self.critic_mini_batches = prompts // cfg.critic.ppo_mini_batch_size if workers.critic else 1
         self.row_multiple = math.lcm(self.actor_mini_batches, self.critic_mini_batches) * cfg.dp_size
         self._loop = asyncio.new_event_loop()
+        self._megatron_memory("offload")  # the first rollout finds the GPUs free of offloaded training state
 
     def fit(self, batches: Iterator[PromptBatch]) -> None:
         """Run the configured number of steps (step numbers start at 1)."""
@@ -165,6 +178,8 @@ class Trainer:
             if algo.adv_estimator == "remax":
                 with timer("rollout_greedy"):
                     batch["reward_baselines"] = self._greedy_baselines(prompts.prompts, trajs)  # (B,)
+            self._engines_memory("release_memory_occupation")  # colocated: the rollout is done, engines free the GPUs
+            self._megatron_memory("onload")
             with timer("old_log_prob"):
                 batch["old_log_probs"] = self._infer(self.workers.actor, "compute_log_prob", batch)["log_probs"]
             probs_diff = rollout_probs_diff(batch["old_log_probs"], batch["rollout_logprobs"], batch["response_mask"])
@@ -191,9 +206,13 @@ class Trainer:
             with timer("update_actor"):
                 actor_metrics = self.workers.actor.dispatch(
                     "update_policy", batch, mini_batches=self.actor_mini_batches, loss_fn=self.policy_loss_fn)[0]
+            self._megatron_memory("offload")
+            self._engines_memory("resume_memory_occupation", tags=["weights"])
             with timer("sync_weights"):
-                self.sync_weights()
-        metrics = {**rollout_m, **actor_metrics, **critic_metrics, **kl_metrics, **probs_diff, **timer.metrics,
+                sync_metrics = self.sync_weights()
+            self._engines_memory("resume_memory_occupation", tags=["kv_cache", "cuda_graph"])
+        metrics = {**rollout_m, **actor_metrics, **critic_metrics, **kl_metrics, **probs_diff, **sync_metrics,
+                   **timer.metrics,
                    **self._data_metrics(batch, token_rewards, terms, trajs, len(rolled) - len(trajs))}
         metrics["perf/tokens_per_s"] = float(batch["attention_mask"].sum()) / timer.metrics["timing/step_s"]
         metrics["perf/rollout_tokens_per_s"] = rollout_m["rollout/sampled_tokens"] / timer.metrics["timing/rollout_s"]
@@ -221,17 +240,27 @@ class Trainer:
                                                            "responses", "response_mask")}
         return concat_results(group.dispatch(method, inputs))
 
-    def sync_weights(self) -> None:
-        """Actor weights -> every engine: HF-named tensors in byte-size buckets, a new version, cache flushed."""
-        state = self.workers.actor.call_all("hf_state_dict")[0]  # global rank 0 holds the gathered HF state dict
-        buckets = list(bucket_by_bytes(state.items(), self.cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes << 20))
+    def sync_weights(self) -> dict[str, float]:
+        """Actor weights -> every engine under the next version (recipe.weight_sync); its metrics."""
+        metrics = self.workers.weight_sync.sync(self.weight_version + 1)
         self.weight_version += 1
-        for engine in self.workers.engines:
-            for i, bucket in enumerate(buckets):
-                engine.update_weights_from_tensor(bucket, weight_version=self.weight_version,
-                                                  flush_cache=i == len(buckets) - 1)
-        logger.info("synced %d tensors in %d bucket(s) to %d engine(s): weight version %d",
-                    len(state), len(buckets), len(self.workers.engines), self.weight_version)
+        return metrics
+
+    def _engines_memory(self, method: str, tags: list[str] | None = None) -> None:
+        """Colocated only: every engine releases / resumes the GPU memory of `tags` (None: all of it)."""
+        if self.workers.colocated:
+            for engine in self.workers.engines:
+                getattr(engine, method)(tags)
+
+    def _megatron_memory(self, method: str) -> None:
+        """"offload" / "onload" the Megatron state chosen by `actor_rollout_ref.actor.megatron.*_offload`."""
+        m = self.cfg.actor_rollout_ref.actor.megatron
+        if not (m.param_offload or m.grad_offload or m.optimizer_offload):
+            return
+        kwargs = {"params": m.param_offload, "grads": m.grad_offload, "optimizer": m.optimizer_offload} \
+            if method == "offload" else {}
+        for group in self.workers.groups():
+            group.call_all(method, **kwargs)
 
     def _data_metrics(self, batch: Batch, token_rewards: torch.Tensor, terms: RewardTerms, trajs: list[Trajectory],
                       dropped: int) -> dict[str, float]:
@@ -258,14 +287,19 @@ class Trainer:
                                rows, step)
 
     def close(self) -> None:
-        """Stop the worker groups, close the tools and the metrics sinks (the engines are the caller's)."""
+        """Stop the weight sync, the worker groups and the engines, free the placement groups, close the
+        tools and the metrics sinks."""
         pending = [t for t in asyncio.all_tasks(self._loop) if not t.done()]
         if pending:  # interrupted mid-rollout: abort it, so tools are released and interactions finalized
             self._loop.run_until_complete(self.agent_loop.abort())
             self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self._loop.run_until_complete(self.agent_loop.tools.aclose())
         self._loop.close()
-        for group in (self.workers.actor, self.workers.ref, self.workers.critic):
-            if group is not None:
-                group.shutdown()
+        self.workers.weight_sync.close()
+        for group in self.workers.groups():
+            group.shutdown()
+        for engine in self.workers.engines:
+            engine.shutdown()
+        if self.workers.placement is not None:
+            self.workers.placement.shutdown()
         self.tracker.finish()

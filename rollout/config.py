@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TRUNCATE_SIDES = ("left", "right", "middle")
+UPDATE_WEIGHTS_MODES = ("tensor", "distributed", "disk")
 
 # The tool-call formats of SGLang's FunctionCallParser (sglang 0.5.23); listed here so that
 # validating a config imports no SGLang. tests/test_config.py checks it against SGLang's own list.
@@ -75,10 +76,8 @@ class RolloutConfig:
     """Nucleus sampling mass."""
     top_k: int = -1
     """Top-k sampling; -1 disables it."""
-    num_engines: int = 1
-    """SGLang engines the agent loop routes over."""
     tensor_model_parallel_size: int = 1
-    """GPUs per engine (SGLang tp_size)."""
+    """GPUs per engine (SGLang tp_size); there are (GPUs of the engines' pool) / this many engines."""
     dtype: str = "bfloat16"
     """Engine weights dtype ("float32" for exact comparisons on CPU)."""
     gpu_memory_utilization: float = 0.5
@@ -87,6 +86,11 @@ class RolloutConfig:
     """KV-cache size in tokens; None: SGLang sizes it (always set it on CPU)."""
     update_weights_bucket_megabytes: int = 512
     """Weight-sync bucket size."""
+    update_weights_mode: str | None = None
+    """Weight-sync path: "tensor" (hand-over on the engines' GPUs), "distributed" (broadcast over a process
+    group), "disk" (HF checkpoint, the fallback); None: tensor with hybrid_engine, distributed without."""
+    check_weights: bool = False
+    """After each sync, compare a checksum per tensor on both sides; a stale or corrupted tensor stops the run."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn limits, tool-call format and plug-in configs."""
 
@@ -96,7 +100,7 @@ class RolloutConfig:
             self.multi_turn = MultiTurnConfig(**self.multi_turn)
         if self.name != "sglang":
             raise ValueError(f"{p}.name is {self.name!r}; polyturn drives SGLang only: use sglang")
-        for key in ("n", "response_length", "num_engines", "tensor_model_parallel_size", "update_weights_bucket_megabytes"):
+        for key in ("n", "response_length", "tensor_model_parallel_size", "update_weights_bucket_megabytes"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{p}.{key} is {getattr(self, key)}; it must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -105,5 +109,8 @@ class RolloutConfig:
             raise ValueError(f"{p}.temperature is {self.temperature}; it must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"{p}.top_p is {self.top_p}; it must lie in (0, 1]")
+        if self.update_weights_mode not in (None, *UPDATE_WEIGHTS_MODES):
+            raise ValueError(f"{p}.update_weights_mode is {self.update_weights_mode!r}; use one of "
+                             f"{UPDATE_WEIGHTS_MODES} or null (by placement mode)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"{p}.gpu_memory_utilization is {self.gpu_memory_utilization}; it must lie in (0, 1]")

@@ -1,0 +1,173 @@
+"""Colocated memory choreography: the order in which engines and Megatron ranks take turns on the GPUs.
+
+On a CPU machine SGLang's `release_memory_occupation` is a no-op, so the order is checked here
+with recorders standing in for the worker groups, the engines and the weight sync around the
+real `Trainer.step`; on GPUs the same calls run.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from recipe.config_schema import PPOConfig
+from recipe.trainer import Trainer, Workers
+from rollout.trajectory import FinishReason, Trajectory
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "recipe" / "config")
+OFFLOAD = ["actor_rollout_ref.actor.megatron.param_offload=true", "actor_rollout_ref.actor.megatron.grad_offload=true",
+           "actor_rollout_ref.actor.megatron.optimizer_offload=true"]
+
+
+class FakeGroup:
+    """Records the calls a Megatron worker group receives; answers with zeros of the right shapes."""
+
+    def __init__(self, name: str, events: list[str]) -> None:
+        self.name, self.events = name, events
+
+    def dispatch(self, method: str, batch: dict, mini_batches: int | None = None, **kwargs) -> list[dict]:
+        self.events.append(f"{self.name}.{method}")
+        shape = batch["responses"].shape
+        if method in ("compute_log_prob", "compute_values"):
+            return [{"log_probs": torch.zeros(shape), "values": torch.zeros(shape)}]
+        return [{f"{self.name}/loss": 0.0}]
+
+    def call_all(self, method: str, *args, **kwargs) -> list[None]:
+        self.events.append(f"{self.name}.{method}")
+        return [None]
+
+    def shutdown(self) -> None:
+        self.events.append(f"{self.name}.shutdown")
+
+
+class FakeEngine:
+    """Records memory and lifecycle calls of an engine client."""
+
+    def __init__(self, name: str, events: list[str]) -> None:
+        self.name, self.events = name, events
+
+    def release_memory_occupation(self, tags=None) -> None:
+        self.events.append(f"{self.name}.release{tags or ''}")
+
+    def resume_memory_occupation(self, tags=None) -> None:
+        self.events.append(f"{self.name}.resume{tags or ''}")
+
+    def shutdown(self) -> None:
+        self.events.append(f"{self.name}.shutdown")
+
+
+class FakeSync:
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def sync(self, version: int) -> dict[str, float]:
+        self.events.append(f"sync v{version}")
+        return {"weight_sync/seconds": 0.0}
+
+    def close(self) -> None:
+        self.events.append("sync.close")
+
+
+class FakeAgentLoop:
+    """Returns `n` sampled trajectories per prompt, each answering '#### 4'."""
+
+    pad_token_id = 0
+
+    def __init__(self, events: list[str], n: int) -> None:
+        self.events, self.n = events, n
+        self.tools = SimpleNamespace(aclose=self._noop)
+
+    async def _noop(self) -> None:
+        return None
+
+    async def generate(self, prompts, greedy: bool = False) -> list[Trajectory]:
+        self.events.append("rollout")
+        trajs = []
+        for p in prompts:
+            for j in range(self.n):
+                t = Trajectory(uid=f"{p}/{j}", prompt_uid=p, sample_index=j, prompt_ids=[1, 2, 3],
+                               data_source="openai/gsm8k", ground_truth="4")
+                t.append_assistant([5, 6, 7 + j], [-0.5, -0.5, -0.5], 0)
+                t.messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "#### 4"}]
+                t.finish(FinishReason.STOP)
+                trajs.append(t)
+        return trajs
+
+    async def abort(self) -> None:
+        return None
+
+    def instance_metrics(self) -> dict[str, float]:
+        return {}
+
+
+class FakeTracker:
+    def log(self, metrics, step) -> None: ...
+    def log_table(self, *args) -> None: ...
+    def finish(self) -> None: ...
+
+
+def make_trainer(tmp_path: Path, overrides: list[str], colocated: bool) -> tuple[Trainer, list[str]]:
+    data = tmp_path / "train.parquet"
+    data.write_bytes(b"")  # validation only checks that the file exists
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(config_name="cpu_tiny", overrides=[
+            f"data.train_files=[{data}]", f"trainer.default_local_dir={tmp_path / 'out'}",
+            "algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=2", "actor_rollout_ref.actor.use_kl_loss=true",
+            *overrides])
+    config = PPOConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+    events: list[str] = []
+    workers = Workers(actor=FakeGroup("actor", events), ref=FakeGroup("ref", events), critic=FakeGroup("critic", events),
+                      engines=[FakeEngine("engine0", events), FakeEngine("engine1", events)],
+                      weight_sync=FakeSync(events), colocated=colocated)
+    loop = FakeAgentLoop(events, config.actor_rollout_ref.rollout.n)
+    return Trainer(config, workers, loop, FakeTracker()), events
+
+
+def prompts(k: int = 4) -> SimpleNamespace:
+    return SimpleNamespace(prompts=[f"p{i}" for i in range(k)], epoch=0)
+
+
+def phases(events: list[str]) -> list[str]:
+    """Collapse consecutive calls of the same kind on several workers into one phase."""
+    out: list[str] = []
+    for e in events:
+        kind = e.split(".", 1)[-1] if e.startswith(("actor.", "ref.", "critic.", "engine")) else e
+        kind = {"compute_log_prob": "train", "compute_values": "train", "update_critic": "train",
+                "update_policy": "train"}.get(kind, kind)
+        if not out or out[-1] != kind:
+            out.append(kind)
+    return out
+
+
+@pytest.mark.unit
+def test_colocated_step_takes_turns_on_the_gpus_in_order(tmp_path):
+    """Contract (hybrid placement, offload on): every step runs rollout -> engines release memory ->
+    Megatron onload -> train -> offload -> engines resume weights -> sync -> engines resume KV cache,
+    on every engine and every Megatron role; the Megatron state starts offloaded."""
+    trainer, events = make_trainer(tmp_path, OFFLOAD, colocated=True)
+    assert events == ["actor.offload", "ref.offload", "critic.offload"]
+    events.clear()
+    trainer.step(prompts(), 1)
+    trainer.step(prompts(), 2)
+    step = ["rollout", "release", "onload", "train", "offload", "resume['weights']", "sync v{}",
+            "resume['kv_cache', 'cuda_graph']"]
+    assert phases(events) == [p.format(1) for p in step] + [p.format(2) for p in step]
+    release_then_onload = events[1:6]
+    assert release_then_onload == ["engine0.release", "engine1.release", "actor.onload", "ref.onload", "critic.onload"]
+    assert trainer.weight_version == 2
+    trainer.close()
+
+
+@pytest.mark.unit
+def test_separate_placement_never_releases_engines_and_offload_off_never_moves_state(tmp_path):
+    """Contract: engines on their own GPUs keep their memory (no release / resume), and with no
+    `*_offload` key set the Megatron state is never moved; the step still trains then syncs."""
+    trainer, events = make_trainer(tmp_path, [], colocated=False)
+    trainer.step(prompts(), 1)
+    assert phases(events) == ["rollout", "train", "sync v1"]
+    trainer.close()
+    assert events[-5:] == ["actor.shutdown", "ref.shutdown", "critic.shutdown", "engine0.shutdown", "engine1.shutdown"]

@@ -1,0 +1,184 @@
+"""Placement: one plan for every role, checked before Ray starts, that a cluster schedules at once.
+
+The GPU cases run on a fake 8-GPU node: `ray.init(num_gpus=8)` declares logical GPUs on a CPU
+machine, and Ray hands out GPU ids for them exactly as it would for real ones.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from recipe.config_schema import ConfigError, PPOConfig
+from recipe.placement import TRAINER, Placement, plan_placement
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "recipe" / "config")
+VERL_LIKE = [  # actor TP2 x PP2 x DP2 on one 8-GPU node, engines at TP2
+    "trainer.n_gpus_per_node=8", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+    "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "data.train_batch_size=8",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
+]
+GRPO_KL = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=true"]
+PPO = ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=false"]
+PPO_KL = ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true"]
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data") / "train.parquet"
+    path.write_bytes(b"")  # validation only checks that the file exists
+    return str(path)
+
+
+def config(data_file: str, overrides: list[str]) -> PPOConfig:
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(config_name="ppo_trainer", overrides=[
+            f"data.train_files=[{data_file}]", f"actor_rollout_ref.model.path={data_file}", *overrides])
+    return PPOConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+
+
+@pytest.mark.unit
+def test_hybrid_plan_colocates_every_role_and_engine_on_the_node(data_file):
+    """Contract: in hybrid mode actor, ref and critic rank g all sit on GPU g, engine i at TP T uses GPUs
+    i*T..i*T+T-1 (base_gpu_id), there are GPUs / T engines, and each engine TP rank's GPU names the
+    Megatron rank that hands it its weights."""
+    plan = plan_placement(config(data_file, VERL_LIKE + PPO_KL))
+    assert plan.hybrid and plan.roles == ("actor", "ref", "critic") and plan.world_size == 8
+    assert list(plan.pools) == [TRAINER] and plan.pools[TRAINER].occupants == 4  # 3 roles + 1 engine per GPU
+    assert [(e.bundle.node, e.base_gpu_id, e.tp) for e in plan.engines] == [(0, 0, 2), (0, 2, 2), (0, 4, 2), (0, 6, 2)]
+    assert plan.tensor_senders == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert [plan.rank_bundle(r).gpu for r in range(8)] == list(range(8))
+
+
+@pytest.mark.unit
+def test_two_node_plans_place_by_node(data_file):
+    """Contract: ranks fill node 0 then node 1; engines never straddle nodes; in separate mode the
+    engines take their own pool (rollout.nnodes x rollout.n_gpus_per_node) and no tensor senders."""
+    plan = plan_placement(config(data_file, VERL_LIKE + GRPO_KL + ["trainer.nnodes=2", "trainer.n_gpus_per_node=4"]))
+    assert [(plan.rank_bundle(r).node, plan.rank_bundle(r).gpu) for r in (0, 3, 4, 7)] == [(0, 0), (0, 3), (1, 0), (1, 3)]
+    assert [(e.bundle.node, e.base_gpu_id) for e in plan.engines] == [(0, 0), (0, 2), (1, 0), (1, 2)]
+    assert plan.tensor_senders == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    sep = plan_placement(config(data_file, VERL_LIKE + GRPO_KL + [
+        "actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_gpus_per_node=4"]))
+    assert not sep.hybrid and sep.pools[TRAINER].occupants == 2 and sep.pools["rollout"].occupants == 1
+    assert [(e.bundle.pool, e.base_gpu_id) for e in sep.engines] == [("rollout", 0), ("rollout", 2)]
+    assert sep.tensor_senders is None
+
+
+@pytest.mark.unit
+def test_configs_that_cannot_fit_are_refused_before_ray_starts(data_file):
+    """Contract: an engine TP size that does not divide a node's GPUs, or separate mode without a rollout
+    pool, is refused by the plan with the key and the fix, and Ray was never started."""
+    import ray
+
+    with pytest.raises(ConfigError, match=r"rollout.tensor_model_parallel_size=3 does not divide trainer.n_gpus_per_node=8"):
+        plan_placement(config(data_file, VERL_LIKE + ["actor_rollout_ref.rollout.tensor_model_parallel_size=3"]))
+    with pytest.raises(ConfigError, match=r"rollout.nnodes / rollout.n_gpus_per_node are not set"):
+        plan_placement(config(data_file, VERL_LIKE + ["actor_rollout_ref.hybrid_engine=false"]))
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=4 does not divide rollout.n_gpus_per_node=2"):
+        plan_placement(config(data_file, VERL_LIKE + [
+            "actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_gpus_per_node=2",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=4"]))
+    assert not ray.is_initialized()
+
+
+class Placeholder:
+    """Stands in for a Megatron rank or an engine actor: reports what Ray gave it."""
+
+    def where(self) -> dict:
+        import os
+
+        import ray
+
+        return {"gpu_ids": [int(i) for i in ray.get_gpu_ids()], "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "node": ray.get_runtime_context().get_node_id()}
+
+
+@pytest.fixture(scope="module")
+def fake_gpu_node(tmp_path_factory):
+    """A private Ray cluster of one node with 8 logical GPUs and 4 CPUs."""
+    import cloudpickle
+    import ray
+
+    ray.init(num_cpus=4, num_gpus=8, include_dashboard=False, log_to_driver=False,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    cloudpickle.register_pickle_by_value(__import__(__name__))
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.integration
+def test_fake_8_gpu_node_schedules_every_role_at_once(fake_gpu_node, data_file):
+    """Contract: on one 8-GPU node, every Megatron rank of actor, ref and critic and every engine (actor
+    TP2 x PP2 x DP2, engines at TP2) starts with exactly the plan's Ray options, nothing waits on a
+    placement group, each rank gets the GPU the plan says, and each engine sees all GPUs (Ray sets no
+    CUDA_VISIBLE_DEVICES for it) while holding the share of its base GPU."""
+    import ray
+
+    plan = plan_placement(config(data_file, VERL_LIKE + PPO_KL))
+    placement = Placement(plan, ready_timeout_s=60)
+    remote = ray.remote(Placeholder)
+    try:
+        assert placement.use_gpus
+        ranks = {role: [remote.options(**o).remote() for o in placement.rank_options(role)] for role in plan.roles}
+        engines = [remote.options(**placement.engine_options(i)).remote() for i in range(len(plan.engines))]
+        handles = [h for hs in ranks.values() for h in hs] + engines
+        # Everything fits at once: all placeholders answer (a generous bound; an unschedulable actor never would).
+        done, pending = ray.wait([h.where.remote() for h in handles], num_returns=len(handles), timeout=120)
+        assert not pending, f"{len(pending)} actor(s) could not be scheduled"
+        for role, hs in ranks.items():
+            seen = ray.get([h.where.remote() for h in hs])
+            assert [s["gpu_ids"] for s in seen] == [[r] for r in range(8)], role
+            assert [s["cuda_visible"] for s in seen] == [str(r) for r in range(8)], role
+            placement.check_ranks(role, [tuple(s["gpu_ids"]) for s in seen])
+        seen = ray.get([h.where.remote() for h in engines])
+        assert [s["gpu_ids"] for s in seen] == [[e.base_gpu_id] for e in plan.engines]
+        assert all(s["cuda_visible"] is None for s in seen)
+        assert all(t["state"] == "CREATED" for t in ray.util.placement_group_table().values()
+                   if t["state"] != "REMOVED")
+        for h in handles:
+            ray.kill(h)
+    finally:
+        placement.shutdown()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("algo", [GRPO_KL, PPO], ids=["grpo_kl", "ppo"])
+def test_grpo_kl_and_ppo_fit_one_8_gpu_node(fake_gpu_node, data_file, algo):
+    """Contract: GRPO with a KL loss (actor + ref) and PPO (actor + critic) each fit one 8-GPU node next to
+    4 TP2 engines: the placement groups are created at once and, on every bundle, the shares the plan's
+    processes claim add up to at most the bundle."""
+    plan = plan_placement(config(data_file, VERL_LIKE + algo))
+    assert len(plan.roles) == 2 and len(plan.engines) == 4
+    placement = Placement(plan, ready_timeout_s=60)
+    try:
+        claimed: dict[int, list[float]] = {}
+        for role in plan.roles:
+            for r, opts in enumerate(placement.rank_options(role)):
+                assert opts["scheduling_strategy"].placement_group_bundle_index == plan.rank_bundle(r).gpu
+                claimed.setdefault(plan.rank_bundle(r).gpu, []).append(opts["num_gpus"])
+        for i, e in enumerate(plan.engines):
+            claimed[e.base_gpu_id].append(placement.engine_options(i)["num_gpus"])
+        assert sorted(claimed) == list(range(8))
+        assert all(0 < sum(shares) <= 1 for shares in claimed.values())
+    finally:
+        placement.shutdown()
+
+
+@pytest.mark.integration
+def test_cluster_without_the_plans_gpus_is_refused_naming_the_keys(fake_gpu_node, data_file):
+    """Contract: a plan asking for more GPUs per node than the cluster's nodes have is refused before any
+    placement group is created, naming the keys to change."""
+    import ray
+
+    before = len(ray.util.placement_group_table())
+    plan = plan_placement(config(data_file, VERL_LIKE + ["trainer.nnodes=2"]))
+    with pytest.raises(RuntimeError, match=r"needs nodes with \[8, 8\] GPUs but the Ray cluster's nodes have \[8.0\].*"
+                                           r"trainer.nnodes, trainer.n_gpus_per_node"):
+        Placement(plan)
+    assert len(ray.util.placement_group_table()) == before

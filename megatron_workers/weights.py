@@ -109,12 +109,16 @@ class MemoryMeter:
             self.peak = max(self.peak, self.live)
 
 
-def stream_buckets(named: Iterator[NamedTensor], plan: list[list[NamedTensor]], meter: MemoryMeter) -> Iterator[Bucket]:
+def stream_buckets(named: Iterator[NamedTensor], plan: list[list[NamedTensor]], meter: MemoryMeter, *,
+                   shared: bool = False) -> Iterator[Bucket]:
     """Pack a (name, tensor) stream into the buckets of `plan` (from `bucket_by_bytes` on meta tensors).
 
     A bucket's buffer is allocated at its exact size when its first tensor arrives, and every tensor
     is copied in and dropped at once; the tensors lie back to back, unpadded (SGLang's flat-bucket
-    receiver expects that, hence one dtype per bucket). The meter counts each arriving tensor until
+    receiver expects that, hence one dtype per bucket). With `shared`, buffers are allocated where
+    other processes can map them (shared memory for CPU tensors, plain device memory for CUDA,
+    which goes by IPC handle): sharing an ordinary CPU buffer later would copy it again. The meter
+    counts each arriving tensor until
     it is copied and each buffer until the consumer releases it (`meter.add(-nbytes)`).
     """
     it = iter(named)
@@ -131,7 +135,10 @@ def stream_buckets(named: Iterator[NamedTensor], plan: list[list[NamedTensor]], 
             n = tensor_bytes(t)
             meter.add(n)
             if flat is None:
-                flat = bucket.flat = torch.empty(size, dtype=torch.uint8, device=t.device)
+                flat = bucket.flat = (
+                    torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+                        torch.UntypedStorage._new_shared(size, device=t.device))
+                    if shared else torch.empty(size, dtype=torch.uint8, device=t.device))
                 meter.add(size)
             flat[off:off + n].copy_(t.reshape(-1).view(torch.uint8))
             bucket.slots.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), off))
@@ -225,7 +232,8 @@ def send_buckets(buckets: Iterator[Bucket], ship, meter: MemoryMeter) -> int:
     return count
 
 
-def send_stage(tensors: Iterator[NamedTensor], plan: list[list[NamedTensor]], *, ship, checksums: bool) -> dict[str, Any]:
+def send_stage(tensors: Iterator[NamedTensor], plan: list[list[NamedTensor]], *, ship, checksums: bool,
+               shared: bool = False) -> dict[str, Any]:
     """Pack a stage's HF tensor stream into the planned buckets and ship each (see `send_buckets`).
     Returns seconds, bytes, buckets, peak_extra_bytes and, with `checksums`, per-tensor `stats`."""
     meter = MemoryMeter()
@@ -241,7 +249,7 @@ def send_stage(tensors: Iterator[NamedTensor], plan: list[list[NamedTensor]], *,
             nbytes += tensor_bytes(t)
             yield name, t
 
-    n = send_buckets(stream_buckets(counted(), plan, meter), ship, meter)
+    n = send_buckets(stream_buckets(counted(), plan, meter, shared=shared), ship, meter)
     return {"seconds": time.perf_counter() - t0, "bytes": float(nbytes), "buckets": float(n),
             "peak_extra_bytes": float(meter.peak), "stats": stats}
 
@@ -357,5 +365,5 @@ class WeightSender:
                 pass
         else:
             raise ValueError(f"weight sync mode {mode!r} is not one of tensor, distributed, stats")
-        out = send_stage(tensors, buckets, ship=ship, checksums=plan.get("checksums", False))
+        out = send_stage(tensors, buckets, ship=ship, checksums=plan.get("checksums", False), shared=mode == "tensor")
         return out if out["bytes"] else None

@@ -166,7 +166,7 @@ def test_colocated_step_takes_turns_on_the_gpus_in_order(tmp_path):
 def test_separate_placement_never_releases_engines_and_offload_off_never_moves_state(tmp_path):
     """Contract: engines on their own GPUs keep their memory (no release / resume), and with no
     `*_offload` key set the Megatron state is never moved; the step still trains then syncs."""
-    trainer, events = make_trainer(tmp_path, [], colocated=False)
+    trainer, events = make_trainer(tmp_path, [k.replace("=true", "=false") for k in OFFLOAD], colocated=False)
     trainer.step(prompts(), 1)
     assert phases(events) == ["rollout", "train", "sync v1"]
     trainer.close()

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.integration
 CONFIGS = Path(__file__).resolve().parents[1] / "tool_configs"
 TOOL_CALL = r'<tool_call>\n\{"name": "calc_gsm8k_reward", "arguments": \{"answer": "[1-9][0-9]?"\}\}\n</tool_call>'
 WRONG_ANSWER = r"The answer is 1[0-9]\."  # never the ground truth 72: the simulated user replies
-RIGHT_ANSWER = r"So it is 72\."
+RIGHT_ANSWER = r"So it is #### 72\."  # GSM8K's answer format: the interaction scores strictly, as verl does
 
 
 class RegexSteeredEngine:
@@ -121,7 +121,7 @@ def test_tool_and_interaction_turns_on_sglang(sglang_engine, tokenizer):
         assert call.error is None and call.name == "calc_gsm8k_reward" and call.result.startswith("Current parsed answer=")
         # each score carries the assistant turn it graded (turn 0 made the tool call)
         assert [(s.turn, s.score) for s in traj.interaction_scores] == [(1, 0.0), (2, 1.0)] and traj.num_user_turns == 1
-        assert traj.messages[-1]["content"] == "So it is 72."
+        assert traj.messages[-1]["content"] == "So it is #### 72."
         # template consistency: the decoded ids are the template's text for the same messages
         rendered = tokenizer.apply_chat_template(traj.messages, tools=loop.tools.schemas(traj.tool_names),
                                                  add_generation_prompt=False, tokenize=False)

@@ -119,6 +119,10 @@ def plan_placement(cfg: PPOConfig) -> PlacementPlan:
                               "rollout.nnodes / rollout.n_gpus_per_node are not set; set both (e.g. rollout.nnodes=1 "
                               "rollout.n_gpus_per_node=8), or use actor_rollout_ref.hybrid_engine=true")
         pools[ROLLOUT] = Pool(r.nnodes, r.n_gpus_per_node, 1)
+        if rollout.update_weights_mode == "tensor":
+            raise ConfigError("actor_rollout_ref.rollout.update_weights_mode=tensor hands tensors over on the GPUs the "
+                              "engines share with the trainer, but actor_rollout_ref.hybrid_engine=false gives them "
+                              "GPUs of their own; use update_weights_mode=distributed (or disk, or null)")
     engine_pool = TRAINER if hybrid else ROLLOUT
     pool = pools[engine_pool]
     nodes_key, gpus_key = _POOL_KEYS[engine_pool]

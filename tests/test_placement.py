@@ -70,8 +70,9 @@ def test_two_node_plans_place_by_node(data_file):
 
 @pytest.mark.unit
 def test_configs_that_cannot_fit_are_refused_before_ray_starts(data_file):
-    """Contract: an engine TP size that does not divide a node's GPUs, or separate mode without a rollout
-    pool, is refused by the plan with the key and the fix, and Ray was never started."""
+    """Contract: an engine TP size that does not divide a node's GPUs, separate mode without a rollout pool,
+    or the tensor sync path without shared GPUs is refused by the plan with the key and the fix, and Ray
+    was never started."""
     import ray
 
     with pytest.raises(ConfigError, match=r"rollout.tensor_model_parallel_size=3 does not divide trainer.n_gpus_per_node=8"):
@@ -82,6 +83,10 @@ def test_configs_that_cannot_fit_are_refused_before_ray_starts(data_file):
         plan_placement(config(data_file, VERL_LIKE + [
             "actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_gpus_per_node=2",
             "actor_rollout_ref.rollout.tensor_model_parallel_size=4"]))
+    with pytest.raises(ConfigError, match=r"update_weights_mode=tensor .* use update_weights_mode=distributed"):
+        plan_placement(config(data_file, VERL_LIKE + [
+            "actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_gpus_per_node=8",
+            "actor_rollout_ref.rollout.update_weights_mode=tensor"]))
     assert not ray.is_initialized()
 
 

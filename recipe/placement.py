@@ -111,7 +111,7 @@ def plan_placement(cfg: PPOConfig) -> PlacementPlan:
     tp = rollout.tensor_model_parallel_size
     roles = ("actor",) + (("ref",) if cfg.use_reference else ()) + (("critic",) if cfg.use_critic else ())
     hybrid = cfg.actor_rollout_ref.hybrid_engine
-    pools = {TRAINER: Pool(t.nnodes, t.n_gpus_per_node, len(roles) + hybrid)}
+    pools = {TRAINER: Pool(t.nnodes, t.n_gpus_per_node, len(roles) + (1 if hybrid else 0))}  # + the engine
     if not hybrid:
         r = cfg.rollout
         if r.nnodes is None or r.n_gpus_per_node is None:

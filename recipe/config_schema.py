@@ -59,6 +59,8 @@ class DataConfig:
 
     train_files: list[str] = field(default_factory=list)
     """verl-format parquet files (python -m recipe.data.gsm8k writes them)."""
+    val_files: list[str] = field(default_factory=list)
+    """Validation parquet files (same format), rolled out whole at each validation; empty: no validation."""
     train_batch_size: int = 256
     """Prompts per step (each rolled out `rollout.n` times)."""
     max_prompt_length: int = 1024
@@ -75,6 +77,9 @@ class DataConfig:
             raise ConfigError("data.train_files is empty; set it to the parquet file(s) to train on, e.g. "
                               "data.train_files=$HOME/data/gsm8k/train.parquet (python -m recipe.data.gsm8k makes them)")
         self.train_files = [resolve_path(f, "data.train_files") for f in self.train_files]
+        if isinstance(self.val_files, str):
+            self.val_files = [self.val_files]
+        self.val_files = [resolve_path(f, "data.val_files") for f in self.val_files]
         for key in ("train_batch_size", "max_prompt_length", "max_response_length"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"data.{key} is {getattr(self, key)}; it must be >= 1")
@@ -152,8 +157,21 @@ class TrainerConfig:
     """Run name (wandb run)."""
     logger: list[str] = field(default_factory=lambda: ["console"])
     """Metric sinks, any of console, wandb."""
-    total_training_steps: int = 1
-    """Steps to train."""
+    total_training_steps: int | None = 1
+    """Steps to train; None: trainer.total_epochs passes over the training data."""
+    total_epochs: int = 1
+    """Passes over the training data (each reshuffled, seeded by trainer.seed) when total_training_steps is None."""
+    test_freq: int = -1
+    """Validate every this many steps and after the last one (needs data.val_files); -1: never during training."""
+    val_before_train: bool = True
+    """Validate once before the first step (when data.val_files is set)."""
+    log_val_generations: int = 0
+    """Validation samples logged as a table (`val/generations`) at each validation; 0: none."""
+    rollout_data_dir: str | None = None
+    """Directory of one `<step>.jsonl` per step with each trajectory's prompt, response, tool calls, rewards and
+    finish reason; None: not written."""
+    validation_data_dir: str | None = None
+    """The same per validation (`<step>.jsonl`, step 0 = before training); None: not written."""
     seed: int = 0
     """Seed of the data order, the tiny model and the engines' sampling."""
     rollout_timeout_s: float | None = None
@@ -171,12 +189,20 @@ class TrainerConfig:
         unknown = [x for x in self.logger if x not in LOGGERS]
         if unknown:
             raise ConfigError(f"trainer.logger has {unknown}; use a list of {LOGGERS}, e.g. trainer.logger=[console,wandb]")
-        for key in ("total_training_steps", "n_gpus_per_node", "nnodes"):
-            if getattr(self, key) < 1:
+        for key in ("total_training_steps", "total_epochs", "n_gpus_per_node", "nnodes"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"trainer.{key} is {getattr(self, key)}; it must be >= 1")
         if self.rollout_timeout_s is not None and self.rollout_timeout_s <= 0:
             raise ConfigError(f"trainer.rollout_timeout_s is {self.rollout_timeout_s}; it must be > 0 (or null)")
+        if self.test_freq == 0 or self.test_freq < -1:
+            raise ConfigError(f"trainer.test_freq is {self.test_freq}; use a step count >= 1, or -1 for no validation "
+                              "during training")
+        if self.log_val_generations < 0:
+            raise ConfigError(f"trainer.log_val_generations is {self.log_val_generations}; it must be >= 0")
         self.default_local_dir = str(Path(self.default_local_dir).expanduser().resolve())
+        for key in ("rollout_data_dir", "validation_data_dir"):
+            if getattr(self, key) is not None:
+                setattr(self, key, str(Path(getattr(self, key)).expanduser().resolve()))
 
 
 @dataclass
@@ -229,6 +255,10 @@ class PPOConfig:
 
     def __post_init__(self) -> None:
         actor, rollout = self.actor_rollout_ref.actor, self.actor_rollout_ref.rollout
+        t = self.trainer
+        if (t.test_freq > 0 or t.log_val_generations or t.validation_data_dir) and not self.data.val_files:
+            raise ConfigError("trainer.test_freq / log_val_generations / validation_data_dir ask for validation but "
+                              "data.val_files is empty; set data.val_files=[path/to/test.parquet] or drop them")
         mt = rollout.multi_turn
         mt.tool_config_path = resolve_path(mt.tool_config_path, "actor_rollout_ref.rollout.multi_turn.tool_config_path")
         mt.interaction_config_path = resolve_path(
@@ -258,6 +288,11 @@ class PPOConfig:
         world = self.trainer.n_gpus_per_node * self.trainer.nnodes
         return world // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size)
 
+    def total_steps(self, batches_per_epoch: int) -> int:
+        """Steps of the run: trainer.total_training_steps when set, else total_epochs x batches per epoch."""
+        t = self.trainer
+        return t.total_training_steps if t.total_training_steps is not None else t.total_epochs * batches_per_epoch
+
     @property
     def use_reference(self) -> bool:
         """A reference policy is needed for a KL loss or a KL penalty in the reward."""
@@ -275,6 +310,55 @@ class PPOConfig:
         return _build(cls, d, "")
 
 
+# verl keys polyturn refuses by name (a key, or a section with everything under it), each with what to do instead.
+UNSUPPORTED: dict[str, str] = {
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu":
+        "the log-prob passes use actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu; set that instead",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size":
+        "the log-prob passes use actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu; set that instead",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu":
+        "the reference uses actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu; set that instead",
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz":
+        "the log-prob passes follow actor_rollout_ref.actor.use_dynamic_bsz; set that instead",
+    "actor_rollout_ref.actor.ppo_micro_batch_size":
+        "give the per-GPU size actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu instead",
+    "critic.ppo_micro_batch_size": "give the per-GPU size critic.ppo_micro_batch_size_per_gpu instead",
+    "actor_rollout_ref.ref": "the reference is the actor's section without an optimizer; drop actor_rollout_ref.ref.*",
+    "actor_rollout_ref.actor.fsdp_config": "polyturn trains with Megatron: use actor_rollout_ref.actor.megatron.*",
+    "actor_rollout_ref.actor.strategy": "polyturn trains with Megatron only; drop the key",
+    "critic.strategy": "polyturn trains with Megatron only; drop the key",
+    "actor_rollout_ref.rollout.mode": "the rollout is always the async agent loop; drop the key",
+    "actor_rollout_ref.rollout.enable_chunked_prefill": "SGLang's default applies; drop the key",
+    "actor_rollout_ref.model.use_remove_padding": "the Megatron ranks pack sequences their own way; drop the key",
+    "actor_rollout_ref.model.enable_gradient_checkpointing": "not wired to Megatron's recompute yet; drop the key",
+    "trainer.critic_warmup": "the critic and actor update every step; drop the key",
+    "reward_model": "rewards come from recipe.reward (custom_reward_function.*, reward.*); a model reward is not "
+                    "supported: drop reward_model.*",
+}
+
+
+def _unsupported(key: str) -> str | None:
+    """The advice for a refused verl key (itself or a section above it), else None."""
+    parts = key.split(".")
+    for i in range(len(parts), 0, -1):
+        advice = UNSUPPORTED.get(".".join(parts[:i]))
+        if advice is not None:
+            return advice
+    return None
+
+
+def refuse_unsupported_overrides(overrides: list[str]) -> None:
+    """Refuse command-line overrides (`key=value`, `+key=value`) that set a refused verl key, naming it and what to
+    do instead; run before Hydra composes (which would stop at such a key with a bare "not in struct")."""
+    for arg in overrides:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key = arg.split("=", 1)[0].lstrip("+~")
+        advice = _unsupported(key)
+        if advice is not None:
+            raise ConfigError(f"not supported by polyturn: {key}; {advice}")
+
+
 def _section_type(hint: Any) -> type | None:
     """The dataclass a field holds (`X` or `X | None`), or None for a leaf."""
     options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
@@ -290,6 +374,10 @@ def _build(cls: type, d: Any, prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - names)
+    for key in unknown:
+        advice = _unsupported(prefix + key)
+        if advice is not None:
+            raise ConfigError(f"not supported by polyturn: {prefix + key}; {advice}")
     if unknown:
         raise ConfigError(f"unknown config key(s) {[prefix + k for k in unknown]}; {where} has {sorted(names)} "
                           "(check the spelling, or add the key to recipe/config_schema.py)")

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_workers import cpu_compat
-from recipe.config_schema import PPOConfig, is_hub_id
+from recipe.config_schema import PPOConfig, is_hub_id, refuse_unsupported_overrides
 from recipe.data.dataset import PromptBatch, RLDataset
 from recipe.placement import Placement, PlacementPlan, plan_placement
 from recipe.tracking import Tracking
@@ -157,4 +158,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    refuse_unsupported_overrides(sys.argv[1:])  # a verl key we refuse is named before Hydra's "not in struct"
     main()

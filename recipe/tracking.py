@@ -7,7 +7,8 @@ machine-readable record even without wandb; tests read it.
 
 wandb follows its own environment: `WANDB_MODE=offline` (the tests) writes the run under
 `<dir>/wandb/offline-run-*` for a later `wandb sync`; without an API key on a machine with
-no login, set WANDB_MODE=offline yourself. `log_table` sends a few sample trajectories as a
+no login, set WANDB_MODE=offline yourself. A resumed run passes the saved `run_id` and continues that
+wandb run (`resume="allow"`). `log_table` sends a few sample trajectories as a
 wandb table (and logs their count on the console).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ class Tracking:
     """Console + wandb + jsonl metrics for one run."""
 
     def __init__(self, loggers: list[str], project: str, experiment: str, out_dir: str | Path,
-                 config: dict[str, Any] | None = None):
+                 config: dict[str, Any] | None = None, run_id: str | None = None):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = self.out_dir / "metrics.jsonl"
@@ -35,7 +36,14 @@ class Tracking:
         if "wandb" in loggers:
             import wandb
 
-            self.wandb_run = wandb.init(project=project, name=experiment, dir=str(self.out_dir), config=config or {})
+            # run_id (from a resumed checkpoint): the same wandb run continues
+            self.wandb_run = wandb.init(project=project, name=experiment, dir=str(self.out_dir), config=config or {},
+                                        id=run_id, resume="allow" if run_id else None)
+
+    @property
+    def run_id(self) -> str | None:
+        """The wandb run's id (saved in checkpoints so that a resumed run continues it); None without wandb."""
+        return self.wandb_run.id if self.wandb_run is not None else None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Record one step's metrics in every sink."""

@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +56,7 @@ from recipe.algos import (
     policy_loss,
     value_loss,
 )
+from recipe import checkpoint
 from recipe.batch import collate
 from recipe.config_schema import PPOConfig
 from recipe.data.dataset import PromptBatch
@@ -143,6 +145,8 @@ class Trainer:
         self.agent_loop = agent_loop
         self.tracker = tracker
         self.weight_version = 0  # the engines start from the checkpoint the actor was built from
+        self.global_step = 0  # the last finished step (restored by `resume`)
+        self.batches_consumed, self.epoch = 0, 0  # the prompt sampler's position (saved in checkpoints)
         self.kl_ctrl = make_kl_controller(cfg.algorithm.kl_ctrl)
         self.reward_fn = RewardFn(cfg.reward, cfg.custom_reward_function)
         self.policy_loss_fn = partial(policy_loss, cfg=cfg.actor_rollout_ref.actor)
@@ -155,9 +159,60 @@ class Trainer:
         self._megatron_memory("offload")  # the first rollout finds the GPUs free of offloaded training state
 
     def fit(self, batches: Iterator[PromptBatch]) -> None:
-        """Run the configured number of steps (step numbers start at 1)."""
-        for step in range(1, self.cfg.trainer.total_training_steps + 1):
-            self.step(next(batches), step)
+        """Run the configured number of steps (step numbers start at 1), from the step after `global_step` (set by
+        `resume`); a checkpoint every `trainer.save_freq` steps and after the last one."""
+        t = self.cfg.trainer
+        for step in range(self.global_step + 1, t.total_training_steps + 1):
+            self.step(self._next_batch(batches), step)
+            self.global_step = step
+            if t.save_freq > 0 and (step % t.save_freq == 0 or step == t.total_training_steps):
+                self.save_checkpoint()
+
+    # ---- checkpoint and resume (recipe.checkpoint) ---------------------------------------
+
+    def _next_batch(self, batches: Iterator[PromptBatch]) -> PromptBatch:
+        prompts = next(batches)
+        self.batches_consumed, self.epoch = self.batches_consumed + 1, prompts.epoch
+        return prompts
+
+    def save_checkpoint(self) -> Path:
+        """Checkpoint the finished step `global_step`: the actor's (and critic's) shards and the trainer state,
+        written atomically under `trainer.default_local_dir`; returns its directory."""
+        t = self.cfg.trainer
+        state = checkpoint.TrainerState(step=self.global_step, weight_version=self.weight_version,
+                                        kl_coef=float(self.kl_ctrl.value), batches_consumed=self.batches_consumed,
+                                        epoch=self.epoch, wandb_run_id=self.tracker.run_id)
+
+        def write(directory: Path) -> None:
+            for name, group in (("actor", self.workers.actor), ("critic", self.workers.critic)):
+                if group is not None:
+                    group.call_all("save_checkpoint", str(directory / name))
+            state.write(directory)
+
+        return checkpoint.save(t.default_local_dir, self.global_step, write, t.max_actor_ckpt_to_keep)
+
+    def resume(self, directory: str | Path, batches: Iterator[PromptBatch]) -> None:
+        """Continue from checkpoint `directory`: restore the actor (and critic) shards and the trainer state, draw
+        the prompt batches already trained on from `batches`, and sync the engines from the restored actor under
+        the saved weight version, before any rollout."""
+        directory = Path(directory)
+        state = checkpoint.TrainerState.read(directory)
+        for name, group in (("actor", self.workers.actor), ("critic", self.workers.critic)):
+            if group is not None:
+                if not (directory / name).is_dir():
+                    raise FileNotFoundError(f"{directory} holds no {name} checkpoint, but this run has a {name}; resume "
+                                            "with the algorithm the checkpoint was trained with")
+                group.call_all("load_checkpoint", str(directory / name))
+        self.global_step, self.kl_ctrl.value = state.step, state.kl_coef
+        for _ in range(state.batches_consumed):
+            self._next_batch(batches)
+        if self.epoch != state.epoch:
+            raise ValueError(f"{directory}: after {state.batches_consumed} prompt batches the sampler is in epoch "
+                             f"{self.epoch}, the checkpoint says {state.epoch}; resume with the same data.train_files, "
+                             "data.train_batch_size, data.shuffle and trainer.seed")
+        self.weight_version = state.weight_version - 1  # sync_weights publishes the next version: the saved one
+        self.sync_weights()
+        logger.info("resumed from %s: step %d, weight version %d", directory, self.global_step, self.weight_version)
 
     def step(self, prompts: PromptBatch, step: int) -> dict[str, float]:
         """One RL step; returns (and logs) its metrics."""

@@ -25,6 +25,10 @@ TOOL_CALL_FORMATS = (
 class MultiTurnConfig:
     """`actor_rollout_ref.rollout.multi_turn.*`: turn limits, tool-call format, plug-in configs."""
 
+    enable: bool = True
+    """verl's switch. true: the agent loop's multi-turn rollout with the configured tools and interactions;
+    false: single turn (the tool and interaction configs are not loaded, data rows' tools_kwargs and
+    interaction_kwargs are ignored)."""
     max_assistant_turns: int = 5
     """Most assistant (policy) turns per trajectory; a turn that wants to go on past it ends with `max_turns`."""
     max_user_turns: int = 5
@@ -55,6 +59,34 @@ class MultiTurnConfig:
         if self.format not in TOOL_CALL_FORMATS:
             raise ValueError(f"{p}.format={self.format!r} is not a SGLang tool-call parser; "
                              f"use one of {TOOL_CALL_FORMATS}")
+
+
+@dataclass
+class ValKwargsConfig:
+    """`actor_rollout_ref.rollout.val_kwargs.*`: sampling of the validation rollouts (verl's keys)."""
+
+    n: int = 1
+    """Samples per validation prompt (metrics are reported `@n`); do_sample=false rolls out each prompt once."""
+    temperature: float = 0.0
+    """Sampling temperature of the validation rollouts (used with do_sample=true)."""
+    top_p: float = 1.0
+    """Nucleus mass of the validation rollouts (used with do_sample=true)."""
+    top_k: int = -1
+    """Top-k of the validation rollouts (used with do_sample=true); -1 disables it."""
+    do_sample: bool = False
+    """false: greedy (temperature 0, one sample per prompt); true: sample with the keys above."""
+
+    def __post_init__(self) -> None:
+        p = "actor_rollout_ref.rollout.val_kwargs"
+        if self.n < 1:
+            raise ValueError(f"{p}.n is {self.n}; it must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"{p}.temperature is {self.temperature}; it must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"{p}.top_p is {self.top_p}; it must lie in (0, 1]")
+        if self.n > 1 and not self.do_sample:
+            raise ValueError(f"{p}.n is {self.n} with do_sample=false; greedy decoding gives one sample per prompt: "
+                             f"set {p}.do_sample=true (with a temperature > 0) or n=1")
 
 
 @dataclass
@@ -93,11 +125,15 @@ class RolloutConfig:
     """After each sync, compare a checksum per tensor on both sides; a stale or corrupted tensor stops the run."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn limits, tool-call format and plug-in configs."""
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    """Sampling of the validation rollouts (same agent loop, same engines)."""
 
     def __post_init__(self) -> None:
         p = "actor_rollout_ref.rollout"
         if isinstance(self.multi_turn, dict):
             self.multi_turn = MultiTurnConfig(**self.multi_turn)
+        if isinstance(self.val_kwargs, dict):
+            self.val_kwargs = ValKwargsConfig(**self.val_kwargs)
         if self.name != "sglang":
             raise ValueError(f"{p}.name is {self.name!r}; polyturn drives SGLang only: use sglang")
         for key in ("n", "response_length", "tensor_model_parallel_size", "update_weights_bucket_megabytes"):

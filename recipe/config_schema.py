@@ -30,6 +30,7 @@ from typing import Any
 
 from megatron_workers.config import ActorConfig, WorkerConfig
 from recipe.algos import AlgorithmConfig, PolicyLossConfig, ValueLossConfig
+from recipe.checkpoint import RESUME_MODES
 from recipe.reward import CustomRewardFunctionConfig, RewardConfig
 from rollout.config import RolloutConfig
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -178,7 +179,18 @@ class TrainerConfig:
     """Wall-clock limit of one step's rollout: past it the agent loop is aborted and the step trains on what was
     sampled so far; None: no limit."""
     default_local_dir: str = "outputs/run"
-    """Output directory: metrics.jsonl, wandb files, the tiny model (CPU preset)."""
+    """Output directory: metrics.jsonl, wandb files, the tiny model (CPU preset), checkpoints (`global_step_<k>/`)."""
+    save_freq: int = -1
+    """Save a checkpoint (recipe.checkpoint) every this many steps and after the last step; -1: never."""
+    resume_mode: str = "auto"
+    """auto: continue from the newest complete checkpoint in default_local_dir (its
+    latest_checkpointed_iteration.txt), or start over when there is none; disable: start over;
+    resume_path: continue from trainer.resume_from_path."""
+    resume_from_path: str | None = None
+    """A `<default_local_dir>/global_step_<k>` directory to continue from (read with resume_mode=resume_path)."""
+    max_actor_ckpt_to_keep: int | None = None
+    """Checkpoints kept in default_local_dir (actor, critic and trainer state together); the oldest are removed once
+    a new one is complete; None: keep all."""
     n_gpus_per_node: int = 1
     """GPUs per node of the trainer pool: one placement bundle and one Megatron rank of each role per GPU
     (on a Ray cluster without GPUs, a CPU-share bundle each)."""
@@ -200,6 +212,18 @@ class TrainerConfig:
         if self.log_val_generations < 0:
             raise ConfigError(f"trainer.log_val_generations is {self.log_val_generations}; it must be >= 0")
         self.default_local_dir = str(Path(self.default_local_dir).expanduser().resolve())
+        if self.save_freq == 0 or self.save_freq < -1:
+            raise ConfigError(f"trainer.save_freq is {self.save_freq}; use a step count >= 1, or -1 for no checkpoints")
+        if self.resume_mode not in RESUME_MODES:
+            raise ConfigError(f"trainer.resume_mode={self.resume_mode!r}; use one of {RESUME_MODES}")
+        if self.resume_mode == "resume_path":
+            if self.resume_from_path is None:
+                raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path="
+                                  "<default_local_dir>/global_step_<k>")
+            self.resume_from_path = resolve_path(self.resume_from_path, "trainer.resume_from_path")
+        if self.max_actor_ckpt_to_keep is not None and self.max_actor_ckpt_to_keep < 1:
+            raise ConfigError(f"trainer.max_actor_ckpt_to_keep is {self.max_actor_ckpt_to_keep}; it must be >= 1 "
+                              "(or null to keep all)")
         for key in ("rollout_data_dir", "validation_data_dir"):
             if getattr(self, key) is not None:
                 setattr(self, key, str(Path(getattr(self, key)).expanduser().resolve()))

@@ -26,6 +26,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_workers import cpu_compat
+from recipe import checkpoint
 from recipe.config_schema import PPOConfig, is_hub_id, refuse_unsupported_overrides
 from recipe.data.dataset import PromptBatch, RLDataset
 from recipe.placement import Placement, PlacementPlan, plan_placement
@@ -111,7 +112,8 @@ def build_workers(cfg: PPOConfig, model_path: str, plan: PlacementPlan) -> Worke
 
 
 def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Iterator[PromptBatch]]:
-    """Everything a run needs, started: the trainer and its endless prompt batches."""
+    """Everything a run needs, started: the trainer and its endless prompt batches; with a checkpoint to resume
+    (`trainer.resume_mode`), the trainer is restored from it and the engines synced before this returns."""
     from transformers import AutoTokenizer
 
     from rollout.agent_loop import AgentLoop
@@ -119,6 +121,8 @@ def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Ite
     from rollout.tools.registry import ToolRegistry
 
     plan = plan_placement(cfg)  # refuses a layout that cannot fit before anything starts
+    resume = checkpoint.resume_dir(cfg.trainer.resume_mode, cfg.trainer.default_local_dir, cfg.trainer.resume_from_path)
+    wandb_run_id = checkpoint.TrainerState.read(resume).wandb_run_id if resume is not None else None
     path = model_dir(cfg)
     tokenizer = AutoTokenizer.from_pretrained(path)
     mt = cfg.actor_rollout_ref.rollout.multi_turn
@@ -131,9 +135,17 @@ def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Ite
     workers = build_workers(cfg, path, plan)
     loop = AgentLoop(workers.engines, tokenizer, cfg.actor_rollout_ref.rollout, tools=tools, interactions=interactions)
     t = cfg.trainer
-    tracker = Tracking(t.logger, t.project_name, t.experiment_name, t.default_local_dir, config=config_dict)
+    tracker = Tracking(t.logger, t.project_name, t.experiment_name, t.default_local_dir, config=config_dict,
+                       run_id=wandb_run_id)
     batches = dataset.batches(cfg.data.train_batch_size, seed=t.seed, shuffle=cfg.data.shuffle)
-    return Trainer(cfg, workers, loop, tracker), batches
+    trainer = Trainer(cfg, workers, loop, tracker)
+    if resume is not None:
+        try:
+            trainer.resume(resume, batches)
+        except BaseException:
+            trainer.close()
+            raise
+    return trainer, batches
 
 
 def run(cfg: PPOConfig, config_dict: dict | None = None) -> None:

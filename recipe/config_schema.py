@@ -12,7 +12,8 @@ reads it, and the parts receive their sections as they are: `actor_rollout_ref.a
 Megatron rank's `ActorConfig` (megatron_workers.config) and the policy loss's
 `PolicyLossConfig` (recipe.algos) in one class; `critic` likewise with `ValueLossConfig`;
 `actor_rollout_ref.rollout` is the agent loop's `RolloutConfig` (rollout.config); `algorithm`
-is the estimators' `AlgorithmConfig`; `reward` and `custom_reward_function` are recipe.reward's. Nothing below the entry point reads `config.a.b.c`.
+is the estimators' `AlgorithmConfig`; `reward` and `custom_reward_function` are recipe.reward's.
+Nothing below the entry point reads `config.a.b.c`.
 
 Where it departs from verl's config: there is one micro-batch size per role (Megatron's
 `ppo_micro_batch_size_per_gpu` also sizes the log-prob passes), the data-parallel size is

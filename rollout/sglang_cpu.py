@@ -7,6 +7,9 @@ through PYTHONPATH), selects SGLang's own CPU engine (`SGLANG_USE_CPU_ENGINE=1`,
 reserves ~15 GB, so `max_total_tokens` always gets a value. At `tp_size > 1` the TP ranks' OpenMP
 threads are bound to disjoint cores (`SGLANG_CPU_OMP_THREADS_BIND`, "0|1" on two cores) and SGLang's
 NCCL library path points at a file that does not exist, so no rank tries to load NCCL.
+`skips_memory_release` tells the engine client that memory release / resume must be skipped:
+the CPU engine has no device memory to give back, and SGLang's release path calls
+`torch.cuda.synchronize()`, which kills the scheduler without a GPU.
 """
 from __future__ import annotations
 
@@ -55,3 +58,8 @@ def _cores_per_rank(tp: int) -> str:
     per = len(cores) // tp
     groups = [cores[i * per:(i + 1) * per] for i in range(tp)]
     return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
+def skips_memory_release() -> bool:
+    """True where `release_memory_occupation` / `resume_memory_occupation` must not reach SGLang (no GPU)."""
+    return not cpu_standins.gpu_present()

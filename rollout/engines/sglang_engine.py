@@ -118,15 +118,20 @@ class SGLangEngine:
             raise EngineError(f"SGLang flush_cache failed: {out.message}")
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
-        """Free GPU memory ("weights", "kv_cache"; None: both) for a colocated trainer (no-op on CPU)."""
+        """Free GPU memory ("weights", "kv_cache"; None: both) for a colocated trainer (skipped on CPU,
+        see `sglang_cpu.skips_memory_release`)."""
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
 
+        if sglang_cpu.skips_memory_release():
+            return
         self._call(self._tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=tags), None))
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Take back the memory `release_memory_occupation` freed."""
         from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
 
+        if sglang_cpu.skips_memory_release():
+            return
         self._call(self._tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=tags), None))
 
     # -- control: weight sync ----------------------------------------------------------------

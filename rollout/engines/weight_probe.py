@@ -34,10 +34,17 @@ def probe_dir_name(out_dir: str) -> str:
     return _PREFIX + out_dir
 
 
-def tensor_stats(t: torch.Tensor) -> list[float]:
-    """[sum, abs_sum, sum_of_squares] of a tensor, in float64."""
-    d = t.detach().double()
-    return [float(d.sum()), float(d.abs().sum()), float((d * d).sum())]
+def tensor_stats(t: torch.Tensor, chunk: int = 1 << 20) -> list[float]:
+    """[sum, abs_sum, sum_of_squares] of a tensor in float64, a chunk at a time (no float64 copy of it).
+    The senders compute the same (`megatron_workers.weights.tensor_stats`; the packages share no code)."""
+    acc = [0.0, 0.0, 0.0]
+    flat = t.detach().reshape(-1)
+    for i in range(0, flat.numel(), chunk):
+        d = flat[i:i + chunk].double()
+        acc[0] += float(d.sum())
+        acc[1] += float(d.abs().sum())
+        acc[2] += float((d * d).sum())
+    return acc
 
 
 def report(model: torch.nn.Module, named_tensors: list[tuple[str, Any]]) -> None:

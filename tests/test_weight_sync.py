@@ -1,0 +1,274 @@
+"""Weight sync from a Megatron TP2 x PP2 actor into SGLang engines hosted in Ray actors.
+
+Contracts: after a PPO update, a sync by the tensor path and, separately, by the distributed path
+makes an engine at TP=2 serve exactly the exported HF weights (greedy ids equal transformers', log-probs
+within 1e-3), where before the sync it did not; several engines end on the same version; the
+check finds a corrupted or stale tensor and names it. The sender's bucket pipeline keeps at most two
+buckets alive. One Ray cluster, one Megatron group and at most two engine processes' worth of
+engines (a TP=2 engine counts double) alive at a time, shared through module fixtures.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from tests.conftest import local_ray_cluster
+
+PROMPTS = [[5, 6, 7, 8], [100, 3, 77, 12, 9], [42, 42, 1], [300, 301, 302, 303, 304, 305]]
+GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
+
+
+# ---------------------------------------------------------------------------------------------
+# Unit: bucket pipeline and checksum combination (no engine)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_bucket_pipeline_keeps_at_most_two_buckets_and_every_byte():
+    """Buckets hold every tensor once, bit for bit, in order; while a slow sender ships, the gatherer
+    never gets more than one bucket ahead (measured peak < 2 buckets + the largest tensor)."""
+    from megatron_workers.weights import MemoryMeter, bucket_by_bytes, send_buckets, stream_buckets, tensor_bytes
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [(f"t{i}", torch.randn(int(torch.randint(10, 400, (1,), generator=g)), generator=g).to(
+        torch.bfloat16 if i >= 30 else torch.float32)) for i in range(40)]
+    bucket_bytes = 2000
+    meter = MemoryMeter()
+    received = []
+
+    def produced():
+        for name, t in tensors:
+            yield name, t.clone()
+
+    def ship(bucket):
+        time.sleep(0.01)
+        received.extend((n, t.clone()) for n, t in bucket.named_tensors())
+
+    plan = list(bucket_by_bytes([(nm, torch.empty(t.shape, dtype=t.dtype, device="meta")) for nm, t in tensors],
+                                bucket_bytes))
+    n = send_buckets(stream_buckets(produced(), plan, meter, shared=True), ship, meter)
+    assert [nm for nm, _ in received] == [nm for nm, _ in tensors]
+    for (_, got), (_, want) in zip(received, tensors):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    assert n == len(plan) > 5
+    assert all(len({t.dtype for _, t in b}) == 1 and (len(b) == 1 or sum(tensor_bytes(t) for _, t in b) <= bucket_bytes)
+               for b in plan)
+    largest = max(tensor_bytes(t) for _, t in tensors)
+    assert meter.live == 0
+    assert 0 < meter.peak < 2 * bucket_bytes + largest
+
+
+@pytest.mark.unit
+def test_probe_combine_counts_replicas_once_and_names_mismatches(tmp_path):
+    """Per-rank probe files add up to the full tensor's statistics (replicated copies counted once);
+    mismatches name the tensor, a missing one too; a missing rank's file is an error."""
+    import json
+
+    from rollout.engines.weight_probe import combine, mismatches, tensor_stats
+
+    full = torch.randn(4, 6, dtype=torch.float64)
+    norm = torch.randn(6, dtype=torch.float64)
+    for r in range(2):
+        part = {"w": [*tensor_stats(full[2 * r:2 * r + 2]), 1.0], "norm": [*tensor_stats(norm), 2.0]}
+        (tmp_path / f"rank-{r}.json").write_text(json.dumps(part))
+    got = combine(str(tmp_path), 2)
+    expected = {"w": tensor_stats(full), "norm": tensor_stats(norm)}
+    assert mismatches(expected, got) == []
+    bad = dict(got, w=[got["w"][0] + 1.0, *got["w"][1:]])
+    assert [m.split(" ")[0] for m in mismatches(expected, bad)] == ["w"]
+    assert "not served" in mismatches({**expected, "extra": [0, 0, 0]}, got)[0]
+    with pytest.raises(RuntimeError, match="1 of 2"):
+        (tmp_path / "rank-1.json").unlink()
+        combine(str(tmp_path), 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Integration: Megatron TP2 x PP2 -> SGLang engines in Ray actors
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    import cloudpickle
+
+    from tests import test_actor  # its loss function and role factory are shipped to the ranks by value
+
+    with local_ray_cluster(tmp_path_factory, num_cpus=4, pickle_by_value=__name__):
+        cloudpickle.register_pickle_by_value(test_actor)
+        yield
+
+
+@pytest.fixture(scope="module")
+def actor_group(cluster):
+    from megatron_workers.worker_group import MegatronWorkerGroup, ParallelLayout
+
+    group = MegatronWorkerGroup(ParallelLayout(tp=2, pp=2), seed=1)
+    yield group
+    group.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engines(cluster, tiny_model_dir):
+    """`engines(tp_sizes)`: engine clients on the tiny checkpoint (fp32); a different request shuts
+    the previous ones down first, so at most two engine processes' worth are alive."""
+    from rollout.engines.engine_actor import EngineClient
+
+    current: dict[str, object] = {"key": None, "engines": []}
+
+    def get(tp_sizes: tuple[int, ...]):
+        if current["key"] != tp_sizes:
+            for e in current["engines"]:
+                e.shutdown()
+            current["engines"] = [
+                EngineClient.launch(str(tiny_model_dir), name=f"engine{i}", ray_options={}, tp_size=tp,
+                                    dtype="float32", random_seed=0, max_total_tokens=2048, log_level="error")
+                for i, tp in enumerate(tp_sizes)]
+            current["key"] = tp_sizes
+        for e in current["engines"]:  # every test starts from the checkpoint's weights
+            e.update_weights_from_disk(str(tiny_model_dir), weight_version=0)
+        return current["engines"]
+
+    yield get
+    for e in current["engines"]:
+        e.shutdown()
+
+
+def _trained_actor(group, model_dir, seed: int) -> None:
+    """Build the actor from the checkpoint and take one PPO step (clipped surrogate, lr 1e-3)."""
+    from tests.test_actor import build_actor, ppo_batch, update
+
+    build_actor(group, model_dir)
+    update(group, ppo_batch(model_dir, seed=seed), mini_batch_size=8)
+
+
+def _engine_greedy(engine) -> list:
+    async def run():
+        return await asyncio.gather(*[engine.generate(p, GREEDY, f"g{i}-{time.monotonic_ns()}")
+                                      for i, p in enumerate(PROMPTS)])
+    return asyncio.run(run())
+
+
+def _hf_greedy_all(model_dir) -> list[tuple[list[int], list[float]]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    out = []
+    for p in PROMPTS:
+        gen = model.generate(torch.tensor([p]), max_new_tokens=GREEDY["max_new_tokens"], do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+        ids = gen.sequences[0, len(p):].tolist()
+        out.append((ids, [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(gen.logits, ids)]))
+    return out
+
+
+def _matches(results, reference) -> bool:
+    for res, (ids, logprobs) in zip(results, reference):
+        n = len(res.output_ids)
+        if res.output_ids != ids[:n] or max(abs(a - b) for a, b in zip(res.output_logprobs, logprobs)) >= 1e-3:
+            return False
+    return True
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", ["tensor", "distributed"])
+def test_sync_after_ppo_update_engine_tp2_serves_exported_weights(mode, actor_group, engines, tiny_model_dir,
+                                                                   tmp_path):
+    """After a PPO update of the TP2 x PP2 actor, a sync by `mode` into an engine at TP=2 makes its greedy
+    ids equal transformers' on the exported HF weights (log-probs within 1e-3); before, they differ."""
+    from recipe.weight_sync import WeightSync
+
+    (engine,) = engines((2,))
+    _trained_actor(actor_group, tiny_model_dir, seed={"tensor": 4, "distributed": 5}[mode])
+    exported = tmp_path / "exported"
+    actor_group.call_all("export_hf", str(exported))
+    reference = _hf_greedy_all(exported)
+    assert not _matches(_engine_greedy(engine), reference), "the engine already served the trained weights"
+
+    sync = WeightSync(actor_group, [engine], mode=mode, bucket_bytes=1 << 18, engine_dtype="float32", check=True)
+    metrics = sync.sync(version=7)
+    sync.close()
+    after = _engine_greedy(engine)
+    assert _matches(after, reference)
+    assert engine.weight_version == 7 and all(r.weight_version == 7 for r in after)
+    assert metrics["weight_sync/buckets"] > 2  # several buckets per stage: the pipeline was exercised
+    assert 0 < metrics["weight_sync/peak_extra_mb"] * 2**20 < 2 * (1 << 18) + max_tensor_bytes(exported)
+
+
+def max_tensor_bytes(model_dir) -> int:
+    from safetensors.torch import load_file
+
+    return max(t.numel() * 4 for t in load_file(str(model_dir / "model.safetensors")).values())
+
+
+@pytest.mark.integration
+def test_two_engines_same_version_and_corrupted_tensor_is_named(actor_group, engines, tiny_model_dir):
+    """Two engines end a checked sync on the same version; a tensor corrupted afterwards on one engine,
+    and an engine left on the old weights, are caught by the check and named."""
+    from recipe.weight_sync import WeightSync, WeightSyncError
+
+    e0, e1 = engines((1, 1))
+    _trained_actor(actor_group, tiny_model_dir, seed=6)
+    sync = WeightSync(actor_group, [e0, e1], mode="tensor", bucket_bytes=1 << 18, engine_dtype="float32", check=True)
+    sync.sync(version=3)
+    assert [e.weight_version for e in (e0, e1)] == [3, 3]
+    assert _engine_greedy(e0)[0].output_ids == _engine_greedy(e1)[0].output_ids
+
+    name = "model.layers.1.mlp.down_proj.weight"
+    served = sync.expected  # what the senders sent, by HF name
+    assert name in served
+    from safetensors.torch import load_file
+
+    bad = load_file(str(tiny_model_dir / "model.safetensors"))[name] * 0  # any wrong value
+    e1.call("update_weights_from_tensor", [(name, bad)], weight_version=3)
+    with pytest.raises(WeightSyncError, match=rf"engine1 serves 1 tensor\(s\).*{name}"):
+        sync.verify()
+    sync.verify(engines=[e0])  # the other engine is fine
+
+    e0.update_weights_from_disk(str(tiny_model_dir), weight_version=3)  # stale: the pre-update weights
+    with pytest.raises(WeightSyncError, match="engine0 serves"):
+        sync.verify(engines=[e0])
+
+
+@pytest.mark.integration
+def test_engine_clients_route_abort_pause_and_release(engines):
+    """Through EngineClient handles only: the router spreads trajectories over two engine actors running
+    many requests at once; an abort ends a request with finish_reason "abort"; a paused engine holds new
+    requests until continue_generation; release/resume of memory leave the engine serving."""
+    from rollout.engines.router import EngineRouter
+
+    e0, e1 = engines((1, 1))
+    router = EngineRouter([e0, e1])
+
+    async def routed():
+        return await asyncio.gather(*[router.generate(f"traj{i}", p, GREEDY, f"r{i}") for i, p in enumerate(PROMPTS)])
+
+    results = asyncio.run(routed())
+    assert {router.engine_for(f"traj{i}") for i in range(len(PROMPTS))} == {0, 1}
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 8 for r in results)
+
+    async def abort_one():
+        task = asyncio.create_task(e0.generate([9, 10, 11], {"max_new_tokens": 1500, "temperature": 1.0,
+                                                              "ignore_eos": True}, "to-abort"))
+        await asyncio.sleep(1.0)
+        await e0.abort("to-abort")
+        return await asyncio.wait_for(task, timeout=120)
+
+    aborted = asyncio.run(abort_one())
+    assert aborted.finish_reason == "abort" and len(aborted.output_ids) < 1500
+
+    e1.release_memory_occupation()
+    e1.resume_memory_occupation()
+    e1.pause_generation()
+
+    async def paused():
+        task = asyncio.create_task(e1.generate([5, 6, 7], GREEDY, "while-paused"))
+        done, _ = await asyncio.wait({task}, timeout=2.0)
+        assert not done, "a paused engine answered"
+        await asyncio.to_thread(e1.continue_generation)
+        return await asyncio.wait_for(task, timeout=120)
+
+    assert len(asyncio.run(paused()).output_ids) == 8
+    assert e0.num_inflight == e1.num_inflight == 0

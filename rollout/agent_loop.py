@@ -188,16 +188,6 @@ class AgentLoop:
         self._aborted = False
         self._sampling: dict[str, Any] = {}  # the running `generate` call's sampling parameters
 
-    @classmethod
-    def from_config(cls, engines: list[RolloutEngine] | EngineRouter, tokenizer: Any, config: RolloutConfig) -> AgentLoop:
-        """Build with the tools and interactions named in `config.multi_turn`."""
-        mt = config.multi_turn
-        return cls(
-            engines, tokenizer, config,
-            tools=ToolRegistry.from_config(mt.tool_config_path),
-            interactions=InteractionRegistry.from_config(mt.interaction_config_path),
-        )
-
     # ---- public API --------------------------------------------------------------------
 
     def validate(self, prompts: list[RolloutPrompt]) -> None:

@@ -18,6 +18,8 @@ import pytest
 from rollout.agent_loop import AgentLoop, RolloutPrompt, rollout_metrics
 from rollout.config import MultiTurnConfig, RolloutConfig
 from rollout.engines.base import GenerateResult
+from rollout.interactions.registry import InteractionRegistry
+from rollout.tools.registry import ToolRegistry
 from rollout.trajectory import FinishReason
 
 pytestmark = pytest.mark.integration
@@ -90,7 +92,9 @@ def _loop(engine, tokenizer, **mt: Any) -> AgentLoop:
                                    interaction_config_path=str(CONFIGS / "gsm8k_interaction_config.yaml"),
                                    max_assistant_turns=4, max_user_turns=2, **mt),
     )
-    return AgentLoop.from_config([engine], tokenizer, config)
+    mt = config.multi_turn
+    return AgentLoop([engine], tokenizer, config, ToolRegistry.from_config(mt.tool_config_path),
+                     InteractionRegistry.from_config(mt.interaction_config_path))
 
 
 def test_tool_and_interaction_turns_on_sglang(sglang_engine, tokenizer):

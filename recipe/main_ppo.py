@@ -30,8 +30,10 @@ from recipe import checkpoint
 from recipe.config_schema import PPOConfig, is_hub_id, refuse_unsupported_overrides
 from recipe.data.dataset import PromptBatch, RLDataset
 from recipe.placement import Placement, PlacementPlan, plan_placement
+from recipe.reward import RewardFn
 from recipe.tracking import Tracking
 from recipe.trainer import Trainer, Workers
+from recipe.validation import Validator, validation_loop
 
 logger = logging.getLogger(__name__)
 
@@ -126,11 +128,18 @@ def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Ite
     path = model_dir(cfg)
     tokenizer = AutoTokenizer.from_pretrained(path)
     mt = cfg.actor_rollout_ref.rollout.multi_turn
-    tools = ToolRegistry.from_config(mt.tool_config_path)
-    interactions = InteractionRegistry.from_config(mt.interaction_config_path)
+    # multi_turn.enable=false: single turn, so no tool or interaction is loaded (rows' kwargs are dropped at load)
+    tools = ToolRegistry.from_config(mt.tool_config_path if mt.enable else None)
+    interactions = InteractionRegistry.from_config(mt.interaction_config_path if mt.enable else None)
     dataset = RLDataset(cfg.data.train_files, tools, interactions, tokenizer=tokenizer,
                         max_prompt_length=cfg.data.max_prompt_length)
     logger.info("data: %d prompts from %s", len(dataset), cfg.data.train_files)
+    val_prompts = None
+    if cfg.data.val_files:
+        val_data = RLDataset(cfg.data.val_files, tools, interactions, tokenizer=tokenizer,
+                             max_prompt_length=cfg.data.max_prompt_length)
+        val_prompts = [dataclasses.replace(p, uid=f"val/{i}") for i, p in enumerate(val_data.items)]
+        logger.info("validation data: %d prompts from %s", len(val_prompts), cfg.data.val_files)
     start_ray(cfg)
     workers = build_workers(cfg, path, plan)
     loop = AgentLoop(workers.engines, tokenizer, cfg.actor_rollout_ref.rollout, tools=tools, interactions=interactions)
@@ -138,7 +147,13 @@ def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Ite
     tracker = Tracking(t.logger, t.project_name, t.experiment_name, t.default_local_dir, config=config_dict,
                        run_id=wandb_run_id)
     batches = dataset.batches(cfg.data.train_batch_size, seed=t.seed, shuffle=cfg.data.shuffle)
-    trainer = Trainer(cfg, workers, loop, tracker)
+    validator = None
+    if val_prompts is not None:
+        val_kwargs = cfg.actor_rollout_ref.rollout.val_kwargs
+        validator = Validator(val_prompts, validation_loop(loop, tokenizer, val_kwargs), val_kwargs,
+                              RewardFn(cfg.reward, cfg.custom_reward_function), log_generations=t.log_val_generations)
+    trainer = Trainer(cfg, workers, loop, tracker, validator=validator,
+                      batches_per_epoch=len(dataset) // cfg.data.train_batch_size)
     if resume is not None:
         try:
             trainer.resume(resume, batches)

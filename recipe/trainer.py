@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from megatron_workers.worker_group import MegatronWorkerGroup, concat_results
 from recipe.algos import (
@@ -62,6 +63,7 @@ from recipe.config_schema import PPOConfig
 from recipe.data.dataset import PromptBatch
 from recipe.reward import RewardFn, RewardTerms, policy_text
 from recipe.tracking import Tracking
+from recipe.validation import TABLE_COLUMNS, Validator, trajectory_records, write_jsonl
 from rollout.agent_loop import AgentLoop, RolloutPrompt, rollout_metrics
 from rollout.trajectory import Trajectory
 
@@ -137,9 +139,10 @@ def _stats(prefix: str, x: torch.Tensor, mask: torch.Tensor | None = None) -> di
 
 
 class Trainer:
-    """GRPO / PPO on Megatron workers and SGLang engines; `fit` runs `trainer.total_training_steps` steps."""
+    """GRPO / PPO on Megatron workers and SGLang engines; `fit` runs `cfg.total_steps` steps, validating as configured."""
 
-    def __init__(self, cfg: PPOConfig, workers: Workers, agent_loop: AgentLoop, tracker: Tracking):
+    def __init__(self, cfg: PPOConfig, workers: Workers, agent_loop: AgentLoop, tracker: Tracking, *,
+                 validator: Validator | None = None, batches_per_epoch: int = 1):
         self.cfg = cfg
         self.workers = workers
         self.agent_loop = agent_loop
@@ -155,6 +158,8 @@ class Trainer:
         self.actor_mini_batches = prompts // cfg.actor_rollout_ref.actor.ppo_mini_batch_size
         self.critic_mini_batches = prompts // cfg.critic.ppo_mini_batch_size if workers.critic else 1
         self.row_multiple = math.lcm(self.actor_mini_batches, self.critic_mini_batches) * cfg.dp_size
+        self.validator = validator  # data.val_files rolled out and scored (recipe.validation); None: no validation
+        self.total_steps = cfg.total_steps(batches_per_epoch)
         self._loop = asyncio.new_event_loop()
         self._megatron_memory("offload")  # the first rollout finds the GPUs free of offloaded training state
 
@@ -162,11 +167,30 @@ class Trainer:
         """Run the configured number of steps (step numbers start at 1), from the step after `global_step` (set by
         `resume`); a checkpoint every `trainer.save_freq` steps and after the last one."""
         t = self.cfg.trainer
-        for step in range(self.global_step + 1, t.total_training_steps + 1):
+        if self.validator is not None and t.val_before_train:
+            self.validate(self.global_step)
+        for step in tqdm(range(self.global_step + 1, self.total_steps + 1), desc="training", unit="step",
+                         initial=self.global_step, total=self.total_steps):
             self.step(self._next_batch(batches), step)
             self.global_step = step
-            if t.save_freq > 0 and (step % t.save_freq == 0 or step == t.total_training_steps):
+            if self.validator is not None and t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps):
+                self.validate(step)
+            if t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps):
                 self.save_checkpoint()
+
+    def validate(self, step: int) -> dict[str, float]:
+        """Roll out and score the validation prompts (nothing trains on them); log their metrics at `step`, a
+        `val/generations` table (`trainer.log_val_generations` rows) and `<validation_data_dir>/<step>.jsonl`."""
+        timer = Timer()
+        with timer("validation"):
+            result = self._loop.run_until_complete(self.validator.run(step))
+        metrics = {**result.metrics, **timer.metrics}
+        self.tracker.log(metrics, step)
+        if result.table:
+            self.tracker.log_table("val/generations", TABLE_COLUMNS, result.table, step)
+        if self.cfg.trainer.validation_data_dir:
+            write_jsonl(self.cfg.trainer.validation_data_dir, step, result.records)
+        return metrics
 
     # ---- checkpoint and resume (recipe.checkpoint) ---------------------------------------
 
@@ -270,9 +294,15 @@ class Trainer:
                    **timer.metrics,
                    **self._data_metrics(batch, token_rewards, terms, trajs, len(rolled) - len(trajs))}
         metrics["perf/tokens_per_s"] = float(batch["attention_mask"].sum()) / timer.metrics["timing/step_s"]
+        metrics["perf/time_per_step"] = timer.metrics["timing/step_s"]
+        gpus = self.cfg.trainer.n_gpus_per_node * self.cfg.trainer.nnodes
+        metrics["perf/throughput"] = metrics["perf/tokens_per_s"] / gpus  # verl's: tokens per second per GPU
         metrics["perf/rollout_tokens_per_s"] = rollout_m["rollout/sampled_tokens"] / timer.metrics["timing/rollout_s"]
         self.tracker.log(metrics, step)
         self._log_examples(trajs, terms, step)
+        if self.cfg.trainer.rollout_data_dir:
+            totals = [float(r) for r in terms.totals(self.cfg.reward)]
+            write_jsonl(self.cfg.trainer.rollout_data_dir, step, trajectory_records(trajs, terms, totals, step))
         return metrics
 
     # ---- pieces of a step ----------------------------------------------------------------

@@ -57,7 +57,8 @@ def val_metrics(trajs: list[Trajectory], rewards: list[float], n: int,
     return m
 
 
-def trajectory_records(trajs: list[Trajectory], terms: RewardTerms, rewards: list[float], step: int) -> list[dict[str, Any]]:
+def trajectory_records(trajs: list[Trajectory], terms: RewardTerms, rewards: list[float],
+                       step: int) -> list[dict[str, Any]]:
     """One JSON-ready dict per trajectory: prompt messages, response (what the policy wrote), the whole chat after
     the prompt, tool calls, rewards and finish reason."""
     records = []
@@ -68,8 +69,9 @@ def trajectory_records(trajs: list[Trajectory], terms: RewardTerms, rewards: lis
             "prompt": t.messages[:first], "response": policy_text(t.messages), "messages": t.messages[first:],
             "tool_calls": [{"turn": c.turn, "name": c.name, "arguments": c.arguments, "raw": c.raw, "result": c.result,
                             "error": c.error, "step_reward": c.step_reward} for c in t.tool_calls],
-            "rewards": {"total": rewards[i], "outcome": float(terms.outcome[i]), "tool_final": float(terms.tool_final[i]),
-                        "tool_steps": [r for _, r in terms.tool[i]], "interaction": [r for _, r in terms.interaction[i]]},
+            "rewards": {"total": rewards[i], "outcome": float(terms.outcome[i]),
+                        "tool_final": float(terms.tool_final[i]), "tool_steps": [r for _, r in terms.tool[i]],
+                        "interaction": [r for _, r in terms.interaction[i]]},
             "finish_reason": t.finish_reason.value if t.finish_reason else None,
             "num_turns": t.num_assistant_turns, "response_tokens": len(t.response_ids),
         })

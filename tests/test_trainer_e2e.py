@@ -139,7 +139,9 @@ def run(tmp_path_factory):
             f"data.train_files=[{data['train']}]", f"trainer.default_local_dir={out_dir}",
             f"trainer.total_training_steps={STEPS * len(ESTIMATORS)}", "trainer.logger=[console,wandb]",
             "actor_rollout_ref.actor.optim.lr=1e-2", "critic.optim.lr=1e-3", "algorithm.adv_estimator=gae",
-            f"custom_reward_function.path={root / 'reward.py'}"])
+            f"custom_reward_function.path={root / 'reward.py'}", f"data.val_files=[{data['test']}]",
+            "trainer.log_val_generations=2", f"trainer.validation_data_dir={out_dir / 'val_data'}",
+            f"trainer.rollout_data_dir={out_dir / 'rollout_data'}"])
     config_dict = OmegaConf.to_container(cfg, resolve=True)
     config = PPOConfig.from_dict(config_dict)
     trainer, batches = build(config, config_dict)
@@ -163,6 +165,7 @@ def run(tmp_path_factory):
                 metrics.append(trainer.step(next(batches), step))
             moved = max(abs(a - b) for a, b in zip(start, actor_log_probs(trainer, prompt_ids, before[0])))
             result["estimators"][estimator] = {"metrics": metrics, "moved": moved}
+        result["val"] = trainer.validate(step)  # greedy (val_kwargs' default) over the 8 held-out prompts
         after = probe(engine, prompt_ids)
         result.update(after=after, engine_version=engine.weight_version,
                       actor_on_after=actor_log_probs(trainer, prompt_ids, after[0]),
@@ -200,11 +203,12 @@ def test_run_writes_metrics_for_every_step(run):
     """Contract: the run writes one metrics record per step to the jsonl file, with the rollout, actor, timing and
     perf metrics, each step sampled on the weights of the previous step's sync."""
     lines = [json.loads(x) for x in (run["out_dir"] / "metrics.jsonl").read_text().splitlines()]
+    lines = [m for m in lines if "timing/validation_s" not in m]  # the validation's own record
     assert [m["step"] for m in lines] == list(range(1, STEPS * len(ESTIMATORS) + 1))
     for m in lines:
         for key in ("rollout/num_trajectories", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/lr",
                     "critic/score/mean", "critic/advantages/mean", "timing/rollout_s", "timing/update_actor_s",
-                    "timing/sync_weights_s", "perf/tokens_per_s"):
+                    "timing/sync_weights_s", "perf/tokens_per_s", "perf/throughput", "perf/time_per_step"):
             assert key in m and m[key] is not None, key
         assert m["trainer/weight_version"] == m["step"]
         assert m["rollout/weight_version_min"] == m["step"] - 1
@@ -232,3 +236,24 @@ def test_engine_weights_equal_actor_after_sync(run):
     assert max(abs(a - b) for a, b in zip(engine_lp, run["actor_on_after"])) < 1e-3
     # The trained actor no longer gives the initial engine's log-probs: the check above is not vacuous.
     assert max(abs(a - b) for a, b in zip(run["before"][1], run["actor_on_before"])) > 1e-2
+
+
+@pytest.mark.e2e
+def test_validation_metrics_and_jsonl_records(run):
+    """Contract: a validation rolls the held-out prompts out through the same agent loop (greedy: one sample each)
+    and logs verl's val-core/<data_source>/reward/mean@1 with the tool-call rate and turns; the per-step rollout and
+    validation JSONL files hold prompt, response, tool calls, rewards and finish reason for every trajectory."""
+    steps = STEPS * len(ESTIMATORS)
+    val = run["val"]
+    source = gsm8k.DATA_SOURCE
+    assert 0.0 <= val[f"val-core/{source}/reward/mean@1"] <= 1.0
+    assert 0.0 <= val[f"val-aux/{source}/tool_call_rate"] <= 1.0 and val[f"val-aux/{source}/num_turns/mean"] >= 1.0
+    logged = [json.loads(x) for x in (run["out_dir"] / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged if f"val-core/{source}/reward/mean@1" in m] == [steps]
+    fields = {"prompt", "response", "tool_calls", "rewards", "finish_reason", "data_source", "step"}
+    val_rows = [json.loads(x) for x in (run["out_dir"] / "val_data" / f"{steps}.jsonl").read_text().splitlines()]
+    assert len(val_rows) == len(RECORDS) and all(fields <= set(r) for r in val_rows)
+    assert all(r["prompt"][-1]["role"] == "user" and r["finish_reason"] for r in val_rows)
+    for step in range(1, steps + 1):
+        rows = [json.loads(x) for x in (run["out_dir"] / "rollout_data" / f"{step}.jsonl").read_text().splitlines()]
+        assert rows and all(fields <= set(r) and r["step"] == step for r in rows)

@@ -61,3 +61,35 @@ def test_trajectory_jsonl_has_prompt_response_tool_calls_rewards_finish_reason(t
                                     "error": None, "step_reward": 0.1}]
     assert first["rewards"] == {"total": 1.1, "outcome": 1.0, "tool_final": 0.0, "tool_steps": [0.1], "interaction": []}
     assert first["finish_reason"] == "stop" and rows[1]["finish_reason"] == "length" and rows[1]["tool_calls"] == []
+
+
+@pytest.mark.unit
+def test_fit_validates_before_training_every_test_freq_and_after_the_last_step(tmp_path):
+    """Contract: with val_before_train, test_freq=2 and 3 steps, fit validates at steps 0, 2 and 3 through the
+    validator (greedy by default), logs val-core metrics and writes validation and rollout JSONL per step."""
+    from recipe.reward import RewardFn
+    from recipe.validation import Validator
+    from tests.test_colocate import FakeAgentLoop, make_trainer, prompts
+
+    val = tmp_path / "val.parquet"
+    val.write_bytes(b"")  # validation only checks that the file exists
+    trainer, events = make_trainer(tmp_path, [
+        f"data.val_files=[{val}]", "trainer.test_freq=2", "trainer.val_before_train=true",
+        "trainer.total_training_steps=3", f"trainer.validation_data_dir={tmp_path / 'val'}",
+        f"trainer.rollout_data_dir={tmp_path / 'rollout'}", "trainer.log_val_generations=1"], colocated=False)
+    logged, tables = [], []
+    trainer.tracker.log = lambda metrics, step: logged.append((step, metrics))
+    trainer.tracker.log_table = lambda name, columns, rows, step: tables.append((name, step, len(rows)))
+    cfg = trainer.cfg
+    trainer.validator = Validator(["v0", "v1"], FakeAgentLoop([], n=1), cfg.actor_rollout_ref.rollout.val_kwargs,
+                                  RewardFn(cfg.reward, cfg.custom_reward_function), log_generations=1)
+    trainer.fit(iter([prompts(), prompts(), prompts()]))
+    val_steps = [step for step, m in logged if "val-core/openai/gsm8k/reward/mean@1" in m]
+    assert val_steps == [0, 2, 3]
+    assert all(m["val-core/openai/gsm8k/reward/mean@1"] == 1.0 for step, m in logged if step in val_steps and
+               "timing/validation_s" in m)
+    assert [t for t in tables if t[0] == "val/generations"] == [("val/generations", s, 1) for s in (0, 2, 3)]
+    assert sorted(p.name for p in (tmp_path / "val").iterdir()) == ["0.jsonl", "2.jsonl", "3.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "rollout").iterdir()) == ["1.jsonl", "2.jsonl", "3.jsonl"]
+    train_metrics = [m for _, m in logged if "rollout/num_trajectories" in m]
+    assert len(train_metrics) == 3 and all(m["perf/time_per_step"] > 0 and "perf/throughput" in m for m in train_metrics)

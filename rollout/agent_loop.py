@@ -32,6 +32,8 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
+from tqdm import tqdm
+
 from rollout.config import RolloutConfig
 from rollout.engines.base import GenerateResult, RolloutEngine
 from rollout.engines.router import EngineRouter
@@ -221,10 +223,14 @@ class AgentLoop:
                 trajs.append(traj)
                 jobs.append(self._run(traj, schemas))
         self._tasks = {asyncio.ensure_future(j) for j in jobs}
+        bar = tqdm(total=len(self._tasks), desc="rollout", unit="traj", leave=False)  # trajectories done
+        for task in self._tasks:
+            task.add_done_callback(lambda _: bar.update())
         try:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         finally:
             self._tasks = set()
+            bar.close()
         for t in trajs:  # tasks cancelled before they started never ran their body
             if t.status is not TrajectoryStatus.DONE:
                 t.finish(FinishReason.ABORTED)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -122,10 +123,10 @@ def engines(cluster, tiny_model_dir):
         if current["key"] != tp_sizes:
             for e in current["engines"]:
                 e.shutdown()
-            current["engines"] = [
-                EngineClient.launch(str(tiny_model_dir), name=f"engine{i}", ray_options={}, tp_size=tp,
-                                    dtype="float32", random_seed=0, max_total_tokens=2048, log_level="error")
-                for i, tp in enumerate(tp_sizes)]
+            with ThreadPoolExecutor(len(tp_sizes)) as pool:  # engines start side by side
+                current["engines"] = list(pool.map(lambda i: EngineClient.launch(
+                    str(tiny_model_dir), name=f"engine{i}", ray_options={}, tp_size=tp_sizes[i], dtype="float32",
+                    random_seed=0, max_total_tokens=2048, log_level="error"), range(len(tp_sizes))))
             current["key"] = tp_sizes
         for e in current["engines"]:  # every test starts from the checkpoint's weights
             e.update_weights_from_disk(str(tiny_model_dir), weight_version=0)

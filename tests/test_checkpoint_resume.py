@@ -154,3 +154,21 @@ def test_resume_errors_name_the_key_and_the_fix(tmp_path):
     cfg = TrainerConfig(default_local_dir=out, save_freq=2, resume_mode="resume_path",
                         resume_from_path=str(tmp_path), max_actor_ckpt_to_keep=3)
     assert cfg.resume_from_path == str(tmp_path.resolve())
+
+
+@pytest.mark.unit
+def test_tracking_continues_the_wandb_run_saved_in_a_checkpoint(tmp_path):
+    """Contract: a Tracking given the run id from a checkpoint's trainer state logs to that same wandb run
+    (offline here: a second offline run dir under the same id, which `wandb sync` appends to the run)."""
+    from recipe.tracking import Tracking
+
+    first = Tracking(["wandb"], "polyturn-test", "resume", tmp_path)
+    run_id = first.run_id
+    first.log({"actor/pg_loss": 1.0}, 1)
+    first.finish()
+    again = Tracking(["wandb"], "polyturn-test", "resume", tmp_path, run_id=run_id)
+    assert again.run_id == run_id
+    again.log({"actor/pg_loss": 2.0}, 2)
+    again.finish()
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)

@@ -171,4 +171,4 @@ def test_tracking_continues_the_wandb_run_saved_in_a_checkpoint(tmp_path):
     again.log({"actor/pg_loss": 2.0}, 2)
     again.finish()
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)
+    assert len(runs) == 2 and all(f"-{run_id}" in r.name for r in runs)  # offline-run-<time>-<id>[-<n>]

@@ -50,7 +50,8 @@ class WeightSync:
         if mode not in MODES:
             raise ValueError(f"rollout.update_weights_mode={mode!r} is not one of {MODES}")
         if not engines:
-            raise ValueError("WeightSync needs at least one engine (rollout.num_engines >= 1)")
+            raise ValueError("WeightSync needs at least one engine; the placement plan starts one per "
+                             "actor_rollout_ref.rollout.tensor_model_parallel_size GPUs of the rollout pool")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1; raise rollout.update_weights_bucket_megabytes")
         self.group, self.engines, self.mode = actor_group, list(engines), mode

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from rollout.tools import ToolRegistry
-from rollout.tools.sandbox import namespaces_available
+from rollout.tools.sandbox import find_interpreter, namespaces_available
 
 AS_ROOT = os.geteuid() == 0
 MODES = [
@@ -358,17 +358,18 @@ def test_weak_or_unknown_isolation_is_refused_unless_named_unsafe(isolation, cap
 
 @pytest.mark.unit
 @needs_namespaces
-def test_world_readable_files_outside_the_work_dir_are_not_visible(tmp_path):
-    """Escape 1 closed: a world-readable file in a world-readable directory of the host (the test's temp dir,
-    the repository) cannot be read from inside."""
-    secret_dir = tmp_path / "public"
-    secret_dir.mkdir(mode=0o755)
-    secret = secret_dir / "readable.txt"
-    secret.write_text("WORLD-READABLE-7")
-    secret.chmod(0o644)
-    repo_file = Path(__file__).resolve()
+def test_world_readable_files_outside_the_work_dir_are_not_visible(tmp_path, top_level_dir):
+    """Escape 1 closed: a world-readable file in a world-readable directory of the host cannot be read from
+    inside, wherever it lives: the test's temp dir, the repository, a top-level directory no list names (as a
+    CI runner's checkout root is)."""
+    paths = [tmp_path / "public" / "readable.txt", top_level_dir / "readable.txt"]
+    for secret in paths:
+        secret.parent.mkdir(mode=0o755, exist_ok=True)
+        secret.write_text("WORLD-READABLE-7")
+        secret.chmod(0o644)
+    paths.append(Path(__file__).resolve())
     code = f"""
-for path in [{str(secret)!r}, {str(repo_file)!r}]:
+for path in {[str(p) for p in paths]!r}:
     try:
         print("READ", open(path).read()[:40])
     except OSError as e:
@@ -376,7 +377,43 @@ for path in [{str(secret)!r}, {str(repo_file)!r}]:
 """
     result = run_code(python_runner("namespaces"), code)
     assert "WORLD-READABLE-7" not in result.text and "READ" not in result.text
-    assert result.text.count("DENIED") == 2
+    assert result.text.count("DENIED") == 3
+
+
+@pytest.fixture
+def top_level_dir():
+    """A fresh world-readable directory directly under / (skips where / is not writable)."""
+    path = Path(f"/polyturn-sandbox-probe-{random.randrange(10**9)}")
+    try:
+        path.mkdir(mode=0o755)
+    except OSError:
+        pytest.skip("/ is not writable here")
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.unit
+@needs_namespaces
+def test_an_interpreter_outside_the_system_dirs_runs_while_its_neighbours_stay_covered(top_level_dir):
+    """The interpreter's own prefix is bound back when it lives under a covered top-level directory; the
+    rest of that directory stays covered."""
+    python = top_level_dir / "py" / "bin" / "python3"
+    python.parent.mkdir(parents=True)
+    shutil.copy2(os.path.realpath(find_interpreter(None, AS_ROOT)), python)
+    os.chmod(top_level_dir / "py", 0o755)
+    os.chmod(python.parent, 0o755)
+    (top_level_dir / "neighbour.txt").write_text("NEIGHBOUR-9")
+    (top_level_dir / "neighbour.txt").chmod(0o644)
+    code = f"""
+import os, sys
+print("EXE", os.path.realpath(sys.executable))
+print("TOP", sorted(os.listdir({str(top_level_dir)!r})))
+"""
+    result = run_code(python_runner("namespaces", python_executable=str(python)), code)
+    assert "exit_code: 0" in result.text, result.text
+    assert f"EXE {python}" in result.text
+    assert "TOP ['py']" in result.text and "NEIGHBOUR-9" not in result.text
 
 
 @pytest.mark.unit

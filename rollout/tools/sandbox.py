@@ -6,8 +6,12 @@ Every run gets a fresh process with, in order of strength:
    namespace (loopback only, down: no network at all), PID namespace (the run cannot see or
    signal host processes; when it ends every process it forked dies with it), IPC, UTS and
    mount namespaces. In the mount namespace `/tmp` and `/dev/shm` are fresh size-limited tmpfs
-   (`/tmp` is the run's own working directory, gone after the run) and the directories in
-   `hidden_paths` (`/root`, `/home`, `/work`, ...) are covered by empty read-only tmpfs.
+   (`/tmp` is the run's own working directory, gone after the run). The root directory is an
+   allow-list: every top-level entry outside `visible_paths` (the system directories: `/usr`,
+   `/lib*`, `/etc`, ...) is covered, directories by an empty read-only tmpfs and files by
+   `/dev/null`, wherever the host keeps its checkouts and data (`/root`, `/home`, `/work`, a CI
+   runner's own top-level directory, ...). The interpreter's installation prefix alone is
+   bind-mounted back, read-only, when it lives outside the system directories.
 2. **Dropped privileges**: when the host runs as root, each run gets a fresh unprivileged uid/gid
    drawn from `uid_range` (no passwd entry, no capabilities, `no_new_privs` via `setpriv`), so
    root-only files (`/etc/shadow`, other temp dirs made by `mkdtemp`) are unreadable,
@@ -41,6 +45,7 @@ import logging
 import os
 import random
 import resource
+import shlex
 import shutil
 import signal
 import subprocess
@@ -54,7 +59,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_UID_RANGE = (1_000_000, 1_000_000_000)  # uids with no passwd entry, one drawn per run
 ISOLATION_MODES = ("namespaces", "rlimits_unsafe")
-DEFAULT_HIDDEN_PATHS = ("/root", "/home", "/work", "/var/tmp", "/mnt", "/srv", "/run", "/builds")
+# Top-level entries a sandboxed run sees; everything else in / is covered (see the module docstring).
+DEFAULT_VISIBLE_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/proc", "/dev", "/sys", "/tmp")
 
 # Installed before user code in "rlimits_unsafe" isolation only: refuses the events that reach
 # outside the process. Audit hooks cannot be removed once added.
@@ -154,6 +160,33 @@ def namespaces_available(unshare: str | None, as_root: bool) -> bool:
         return False
 
 
+def _cover_commands(visible: tuple[str, ...], keep: str) -> list[str]:
+    """Shell commands (run as namespace root, after the fresh /tmp is mounted) that cover every top-level
+    entry of / outside `visible`: directories with an empty read-only tmpfs, files with /dev/null. When
+    `keep` (the interpreter prefix) lies under a covered directory, it is bound back read-only through a
+    staging mount in the fresh /tmp."""
+    q = shlex.quote
+    cmds = []
+    for entry in sorted(os.scandir("/"), key=lambda e: e.name):
+        top = "/" + entry.name
+        if top in visible or entry.is_symlink() or keep == top:
+            continue
+        if entry.is_file():
+            cmds.append(f"mount --bind /dev/null {q(top)}")
+        elif not entry.is_dir():
+            continue
+        elif keep.startswith(top + "/"):
+            cmds += [
+                f"mkdir /tmp/.keep && mount --bind {q(keep)} /tmp/.keep",
+                f"mount -t tmpfs -o size=16k,mode=755 tmpfs {q(top)}",
+                f"mkdir -p {q(keep)} && mount --move /tmp/.keep {q(keep)} && rmdir /tmp/.keep",
+                f"mount -o remount,bind,ro {q(keep)} && mount -o remount,ro {q(top)}",
+            ]
+        else:
+            cmds.append(f"mount -t tmpfs -o size=16k,mode=755,ro tmpfs {q(top)}")
+    return cmds
+
+
 def _unshare_flags(as_root: bool) -> list[str]:
     flags = ["--net", "--pid", "--ipc", "--uts", "--mount", "--fork", "--kill-child", "--mount-proc"]
     return flags if as_root else ["--user", "--map-root-user", *flags]
@@ -171,7 +204,7 @@ class Sandbox:
         limits: SandboxLimits | None = None,
         isolation: str = "namespaces",
         python_executable: str | None = None,
-        hidden_paths: tuple[str, ...] = DEFAULT_HIDDEN_PATHS,
+        visible_paths: tuple[str, ...] = DEFAULT_VISIBLE_PATHS,
         uid_range: tuple[int, int] = DEFAULT_UID_RANGE,
     ):
         self.limits = limits or SandboxLimits()
@@ -198,11 +231,9 @@ class Sandbox:
                 "sandbox: isolation rlimits_unsafe is NOT a sandbox: the code can read the host's world-readable "
                 "files, leave files in /tmp, /var/tmp, /dev/shm and processes that outlive the call"
             )
-        interp_dir = os.path.realpath(self.python)
-        # Never hide the interpreter's own installation.
-        self.hidden_paths = tuple(
-            p for p in hidden_paths if os.path.isdir(p) and not interp_dir.startswith(p.rstrip("/") + "/")
-        )
+        self.visible_paths = tuple(visible_paths)
+        # The interpreter's installation prefix (`<prefix>/bin/python3`): bound back when covered.
+        self.python_prefix = str(Path(os.path.realpath(self.python)).parents[1])
         self._unshare = unshare
         if not (0 < uid_range[0] < uid_range[1]) or uid_range[0] < 1000:
             raise ValueError(f"sandbox uid_range must be (low, high) with 1000 <= low < high, got {uid_range}")
@@ -241,9 +272,9 @@ class Sandbox:
         # shell (not exec: PID 1 of a namespace ignores signals such as SIGXCPU).
         setup = [
             f"mount -t tmpfs -o size={self.limits.disk_mb}m,mode=1777 tmpfs /tmp",
-            "mount -t tmpfs -o size=1m,mode=1777 tmpfs /dev/shm 2>/dev/null || true",
+            "{ mount -t tmpfs -o size=1m,mode=1777 tmpfs /dev/shm 2>/dev/null || true; }",
         ]
-        setup += [f"mount -t tmpfs -o size=16k,mode=755,ro tmpfs '{p}'" for p in self.hidden_paths]
+        setup += _cover_commands(self.visible_paths, self.python_prefix)
         drop = ""
         if uid is not None:
             drop = (

@@ -98,7 +98,8 @@ def test_config_surface_is_frozen():
 def test_presets_compose_and_validate(preset, data_file, tmp_path):
     """Contract: every shipped preset composes with Hydra and validates (given data and, for the base, a model)."""
     model = [f"actor_rollout_ref.model.path={tmp_path}"] if preset == "ppo_trainer" else []
-    cfg = PPOConfig.from_dict(load(preset, [f"data.train_files=[{data_file}]", *model]))
+    data = [f"data.train_files=[{data_file}]", f"data.val_files=[{data_file}]"]
+    cfg = PPOConfig.from_dict(load(preset, [*data, *model]))
     assert cfg.data.train_files == [str(Path(data_file).resolve())]
     if preset == "cpu_tiny":
         assert cfg.actor_rollout_ref.model.build_tiny and cfg.trainer.n_gpus_per_node == 1
@@ -106,6 +107,7 @@ def test_presets_compose_and_validate(preset, data_file, tmp_path):
         assert cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path.endswith("gsm8k_tool_config.yaml")
     if preset == "gsm8k_qwen2_5_3b":
         assert cfg.dp_size == 4 and cfg.actor_rollout_ref.model.path == "Qwen/Qwen2.5-3B-Instruct"
+        assert cfg.trainer.test_freq > 0 and cfg.trainer.save_freq > 0
 
 
 @pytest.mark.unit

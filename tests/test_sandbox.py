@@ -266,7 +266,7 @@ def test_huge_output_and_huge_files_are_capped(isolation):
     result = run_code(runner, "print('y' * 1_000_000)")
     assert result.metrics["truncated"] and "[output truncated to 4096 bytes per stream]" in result.text
     assert len(result.text) < 6000
-    result = run_code(runner, "open('big.bin', 'wb').write(b'0' * (64 * 1024 * 1024))\nprint('WROTE')")
+    result = run_code(runner, "open('big.bin', 'wb').write(b'0' * (8 * 1024 * 1024))\nprint('WROTE')")
     assert "WROTE" not in result.text and "File too large" in result.text
     assert "[file size limit of 4 MB exceeded]" in result.text
 

@@ -64,7 +64,7 @@ def write_random_checkpoint(out: Path, layers: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bucket-mb", type=int, default=512, help="weight-sync bucket size (MiB)")
-    parser.add_argument("--repeats", type=int, default=2, help="syncs per path (median reported)")
+    parser.add_argument("--repeats", type=int, default=3, help="syncs per path (median reported)")
     parser.add_argument("--layers", type=int, default=24, help="decoder layers (24 = Qwen2.5-0.5B)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

@@ -135,10 +135,8 @@ def stream_buckets(named: Iterator[NamedTensor], plan: list[list[NamedTensor]], 
             n = tensor_bytes(t)
             meter.add(n)
             if flat is None:
-                flat = bucket.flat = (
-                    torch.empty(0, dtype=torch.uint8, device=t.device).set_(
-                        torch.UntypedStorage._new_shared(size, device=t.device))
-                    if shared else torch.empty(size, dtype=torch.uint8, device=t.device))
+                flat = bucket.flat = (_shared_buffer(size, t.device) if shared
+                                      else torch.empty(size, dtype=torch.uint8, device=t.device))
                 meter.add(size)
             flat[off:off + n].copy_(t.reshape(-1).view(torch.uint8))
             bucket.slots.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), off))
@@ -149,6 +147,13 @@ def stream_buckets(named: Iterator[NamedTensor], plan: list[list[NamedTensor]], 
     leftover = next(it, None)
     if leftover is not None:
         raise RuntimeError(f"weight export produced {leftover[0]} beyond the bucket plan")
+
+
+def _shared_buffer(size: int, device: torch.device) -> torch.Tensor:
+    """`size` bytes other processes can map. CPU storage is made by shared-memory *name* (the strategy
+    `serialize` pickles by): one made by file descriptor would be copied into a named one when pickled."""
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(torch.UntypedStorage._new_shared(size, device=device))
 
 
 def serialize(obj: Any) -> bytes:

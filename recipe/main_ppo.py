@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from megatron_workers import cpu_compat
 from recipe import checkpoint
-from recipe.config_schema import PPOConfig, is_hub_id, refuse_unsupported_overrides
+from recipe.config_schema import PPOConfig, RayInitConfig, is_hub_id, refuse_unsupported_overrides
 from recipe.data.dataset import PromptBatch, RLDataset
 from recipe.placement import Placement, PlacementPlan, plan_placement
 from recipe.reward import RewardFn
@@ -52,7 +52,7 @@ def model_dir(cfg: PPOConfig) -> str:
     return m.path
 
 
-def start_ray(cfg: PPOConfig) -> None:
+def start_ray(ray_init: RayInitConfig) -> None:
     """Join the cluster at `RAY_ADDRESS` when it is set, else start a local one with `ray_init.*` (reuses a
     connection this process already has)."""
     import ray
@@ -63,7 +63,7 @@ def start_ray(cfg: PPOConfig) -> None:
         ray.init(address="auto", log_to_driver=True)
         logger.info("joined the Ray cluster at %s: %s", os.environ["RAY_ADDRESS"], ray.cluster_resources())
     else:
-        ray.init(num_cpus=cfg.ray_init.num_cpus, _temp_dir=cfg.ray_init.temp_dir, include_dashboard=False,
+        ray.init(num_cpus=ray_init.num_cpus, _temp_dir=ray_init.temp_dir, include_dashboard=False,
                  log_to_driver=True)
 
 
@@ -140,7 +140,7 @@ def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Ite
                              max_prompt_length=cfg.data.max_prompt_length)
         val_prompts = [dataclasses.replace(p, uid=f"val/{i}") for i, p in enumerate(val_data.items)]
         logger.info("validation data: %d prompts from %s", len(val_prompts), cfg.data.val_files)
-    start_ray(cfg)
+    start_ray(cfg.ray_init)
     workers = build_workers(cfg, path, plan)
     loop = AgentLoop(workers.engines, tokenizer, cfg.actor_rollout_ref.rollout, tools=tools, interactions=interactions)
     t = cfg.trainer

@@ -101,8 +101,9 @@ class PlacementPlan:
 
     def describe(self) -> str:
         pools = ", ".join(f"{name} {p.nnodes}x{p.gpus_per_node} ({p.occupants} per GPU)" for name, p in self.pools.items())
+        engines = f"{len(self.engines)} engine(s) at TP {self.engines[0].tp}" if self.engines else "no engines"
         return (f"{'hybrid' if self.hybrid else 'separate'}: {pools}; Megatron {'/'.join(self.roles)} x "
-                f"{self.world_size} ranks; {len(self.engines)} engine(s) at TP {self.engines[0].tp}")
+                f"{self.world_size} ranks; {engines}")
 
 
 def plan_placement(cfg: PPOConfig) -> PlacementPlan:
@@ -135,6 +136,13 @@ def plan_placement(cfg: PPOConfig) -> PlacementPlan:
                     for node in range(pool.nnodes) for k in range(pool.gpus_per_node // tp))
     world = pools[TRAINER].size
     plan = PlacementPlan(hybrid, pools, roles, world, engines)
+    logger.info("placement: %s", plan.describe())
+    return plan
+
+
+def plan_trainer_only(nnodes: int, n_gpus_per_node: int) -> PlacementPlan:
+    """Megatron actor ranks on `nnodes` x `n_gpus_per_node` bundles, one per bundle, and no engines (the SFT entry)."""
+    plan = PlacementPlan(False, {TRAINER: Pool(nnodes, n_gpus_per_node, 1)}, ("actor",), nnodes * n_gpus_per_node, ())
     logger.info("placement: %s", plan.describe())
     return plan
 

@@ -78,11 +78,19 @@ class RolloutPrompt:
 
 
 class ChatCodec:
-    """Chat-template rendering for the loop: prompts, mask-0 deltas, tool-output truncation, drift check."""
+    """Chat-template rendering for the loop (and for SFT demonstrations): prompts, assistant turns, mask-0 deltas,
+    tool-output truncation, drift check."""
 
     def __init__(self, tokenizer: Any, stop_token_ids: list[int]):
         self.tokenizer = tokenizer
         self.stop_token_ids = set(stop_token_ids)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any) -> ChatCodec:
+        """The codec of a tokenizer whose eos token ends an assistant turn (the engine's stop token)."""
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos_token_id; set eos_token (e.g. <|im_end|>) in tokenizer_config.json")
+        return cls(tokenizer, [tokenizer.eos_token_id])
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, gen_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -118,6 +126,28 @@ class ChatCodec:
             if stop_text and delta.startswith(stop_text):
                 delta = delta[len(stop_text):]
         return self.encode(delta)
+
+    def assistant_ids(self, message: dict[str, Any]) -> list[int]:
+        """The ids a policy would sample for assistant `message` after the generation prompt (an SFT demonstration's turn).
+
+        The template renders the message (content and `tool_calls`) on a placeholder conversation;
+        the text between the generation prompt and the turn's stop token is tokenized and the stop
+        token appended, as the engine returns it. The template's text after the stop token
+        (e.g. a newline) belongs to the next `delta_ids`, as in the loop.
+        """
+        base = [{"role": "user", "content": "x"}]
+        prefix = self._render(base, None, gen_prompt=True)
+        text = self._render(base + [message], None, gen_prompt=False)
+        if not text.startswith(prefix):
+            raise ValueError("the chat template renders an assistant message differently from its generation prompt "
+                             f"{prefix[-40:]!r}; use a template whose assistant turns start with it")
+        turn = text[len(prefix):]
+        ends = {sid: turn.rfind(self.tokenizer.decode([sid], skip_special_tokens=False)) for sid in self.stop_token_ids}
+        sid, cut = max(ends.items(), key=lambda kv: kv[1])
+        if cut < 0:
+            raise ValueError(f"the chat template closes an assistant turn without a stop token {sorted(self.stop_token_ids)}"
+                             f" (rendered {turn[-40:]!r}); set the tokenizer's eos_token to the turn's end token")
+        return self.encode(turn[:cut]) + [sid]
 
     def truncate(self, text: str, max_tokens: int, side: str) -> tuple[str, bool]:
         """Cut `text` to at most `max_tokens` tokens; returns (text, was_cut).
@@ -181,9 +211,7 @@ class AgentLoop:
         self.config = config
         self.tools = tools or ToolRegistry([])
         self.interactions = interactions or InteractionRegistry([])
-        if tokenizer.eos_token_id is None:
-            raise ValueError("the tokenizer has no eos_token_id; set eos_token (e.g. <|im_end|>) in tokenizer_config.json")
-        self.codec = ChatCodec(tokenizer, [tokenizer.eos_token_id])
+        self.codec = ChatCodec.for_tokenizer(tokenizer)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._parsers: dict[tuple[str, ...], ToolCallParser] = {}
         self._tasks: set[asyncio.Task] = set()

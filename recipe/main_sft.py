@@ -1,0 +1,147 @@
+"""Entry point: `python -m recipe.main_sft [--config-name sft_trainer] [key=value ...]` (Hydra): multi-turn SFT.
+
+Trains the Megatron actor (`megatron_workers.actor.MegatronActor.update_sft`, masked token-mean
+cross-entropy) on verl's multi-turn SFT parquet (a `messages` column, an optional `tools`
+column), tokenized and masked exactly as a rollout of the same conversation would be
+(`recipe.data.sft_dataset`): loss on assistant tokens only, system / user / tool tokens masked.
+Writes `<trainer.default_local_dir>/hf`, an HF directory (safetensors, config, tokenizer) that
+`actor_rollout_ref.model.path` of `recipe.main_ppo` takes as it is, logs `sft/*`, `val/loss` and
+`perf/*` through `recipe.tracking`, and prints one JSON line with the run's figures last.
+
+Start-up follows `recipe.main_ppo`: the config is validated before anything starts, the driver
+joins the Ray cluster at `RAY_ADDRESS` or starts a local one, and the ranks sit on placement
+bundles (`recipe.placement.plan_trainer_only`). Where it departs from verl's fsdp_sft_trainer:
+Megatron TP x PP x DP ranks instead of FSDP under torchrun; one optimizer step per
+`data.train_batch_size` conversations; no intermediate checkpoints, one HF export at the end.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from megatron_workers import cpu_compat
+from recipe.sft_config import SFTConfig, check_overrides
+
+logger = logging.getLogger(__name__)
+
+
+def _val_loss(group: Any, batch: dict[str, Any]) -> float:
+    """Token-mean cross-entropy of `batch`'s assistant tokens (forward only)."""
+    import torch
+
+    from megatron_workers.worker_group import concat_results
+
+    log_probs = concat_results(group.dispatch("compute_log_prob", batch))["log_probs"]  # (B, T), 0 off the mask
+    return float(-log_probs.sum() / batch["response_mask"].sum().clamp(min=1).to(torch.float32))
+
+
+def run(cfg: SFTConfig, config_dict: dict | None = None) -> dict[str, float]:
+    """Load and encode the data, start the ranks, train, export `<default_local_dir>/hf`; returns the run's figures."""
+    import ray
+    from transformers import AutoConfig, AutoTokenizer
+
+    from megatron_workers.actor import MegatronActor
+    from megatron_workers.config import ActorConfig
+    from megatron_workers.worker_group import MegatronWorkerGroup, ParallelLayout
+    from recipe.config_schema import is_hub_id
+    from recipe.data.sft_dataset import SFTDataset
+    from recipe.main_ppo import start_ray
+    from recipe.placement import Placement, plan_trainer_only
+    from recipe.tracking import Tracking
+    from rollout.agent_loop import ChatCodec
+
+    t_start = time.monotonic()
+    path = cfg.model.partial_pretrain
+    if is_hub_id(path):
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(path)
+    d, t = cfg.data, cfg.trainer
+    codec = ChatCodec.for_tokenizer(AutoTokenizer.from_pretrained(path))
+
+    def load(files: list[str]) -> SFTDataset:
+        return SFTDataset(files, codec, messages_key=d.multiturn.messages_key, tools_key=d.multiturn.tools_key,
+                          max_length=d.max_length, truncation=d.truncation)
+
+    train = load(d.train_files)
+    val = load(d.val_files) if d.val_files else None
+    batches_per_epoch = len(train) // d.train_batch_size
+    steps = t.total_training_steps or t.total_epochs * batches_per_epoch
+    if steps < 1:
+        raise ValueError(f"{len(train)} rows make no batch of data.train_batch_size={d.train_batch_size}; lower it")
+    logger.info("SFT data: %d conversations (%d loss tokens) from %s; %d steps of %d", len(train),
+                train.num_loss_tokens, d.train_files, steps, d.train_batch_size)
+
+    plan = plan_trainer_only(t.nnodes, t.n_gpus_per_node)  # before Ray: nothing to refuse later
+    start_ray(cfg.ray_init)
+    placement = Placement(plan)
+    group = None
+    tracker = None
+    try:
+        m = cfg.megatron
+        layout = ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size, dp=cfg.dp_size)
+        group = MegatronWorkerGroup(layout, placement.rank_options("actor"), hf_config=AutoConfig.from_pretrained(path),
+                                    seed=cfg.seed)
+        placement.check_ranks("actor", [info.gpu_ids for info in group.ranks])
+        actor_cfg = ActorConfig(optim=cfg.optim, ppo_mini_batch_size=d.train_batch_size,
+                                ppo_micro_batch_size_per_gpu=d.micro_batch_size_per_gpu, megatron=m)
+        group.build(functools.partial(MegatronActor, path, actor_cfg))
+        tracker = Tracking(t.logger, t.project_name, t.experiment_name, t.default_local_dir, config=config_dict)
+        val_batch = val.collate(val.items) if val is not None else None
+        losses: list[float] = []
+        val_loss = None
+        batches = train.batches(d.train_batch_size, seed=cfg.seed)
+        t_train = time.monotonic()
+        for step in range(1, steps + 1):
+            batch = next(batches)
+            t0 = time.monotonic()
+            metrics = group.dispatch("update_sft", batch, mini_batches=1)[0]  # summed over DP ranks already
+            dt = time.monotonic() - t0
+            losses.append(metrics["sft/sft_loss"])
+            tokens = int(batch["attention_mask"].sum())
+            metrics.update({"sft/epoch": (step - 1) / max(batches_per_epoch, 1),
+                            "sft/loss_tokens": float(batch["response_mask"].sum()),
+                            "perf/time_per_step": dt, "perf/throughput": tokens / dt / layout.world_size})
+            if val_batch is not None and (step == steps or (t.test_freq > 0 and step % t.test_freq == 0)):
+                val_loss = _val_loss(group, val_batch)
+                metrics["val/loss"] = val_loss
+            tracker.log(metrics, step)
+        wall_train = time.monotonic() - t_train
+        out = Path(t.default_local_dir) / "hf"
+        group.call_all("export_hf", str(out))
+        logger.info("SFT model written to %s (use it as actor_rollout_ref.model.path)", out)
+    finally:
+        if tracker is not None:
+            tracker.finish()
+        if group is not None:
+            group.shutdown()
+        placement.shutdown()
+        ray.shutdown()
+    result = {"sft_loss_first": losses[0], "sft_loss_last": losses[-1], "steps": steps,
+              "train_s": round(wall_train, 2), "wall_s": round(time.monotonic() - t_start, 2), "hf_dir": str(out)}
+    if val_loss is not None:
+        result["val_loss"] = val_loss
+    return result
+
+
+@hydra.main(config_path="config", config_name="sft_trainer", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    """Hydra entry: validate the config, `run`, print the final JSON line."""
+    cpu_compat.apply_cpu_compat()  # this process's start (it imports the Megatron worker classes)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    config_dict = OmegaConf.to_container(cfg, resolve=True)
+    result = run(SFTConfig.from_dict(config_dict), config_dict)
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    check_overrides(sys.argv[1:])  # unknown and refused keys are named before Hydra's "not in struct"
+    main()

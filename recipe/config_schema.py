@@ -197,6 +197,9 @@ class TrainerConfig:
     (on a Ray cluster without GPUs, a CPU-share bundle each)."""
     nnodes: int = 1
     """Nodes of the trainer pool (recipe.placement); more than one: join a Ray cluster (RAY_ADDRESS)."""
+    peak_tflops_per_gpu: float | None = None
+    """Dense BF16 peak TFLOPS of one trainer device, for `perf/mfu/actor` (recipe.flops); None: looked up by the
+    GPU type Ray reports (recipe.flops.PEAK_TFLOPS), and no MFU is logged for a device not listed there (a CPU)."""
 
     def __post_init__(self) -> None:
         unknown = [x for x in self.logger if x not in LOGGERS]
@@ -205,6 +208,9 @@ class TrainerConfig:
         for key in ("total_training_steps", "total_epochs", "n_gpus_per_node", "nnodes"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"trainer.{key} is {getattr(self, key)}; it must be >= 1")
+        if self.peak_tflops_per_gpu is not None and self.peak_tflops_per_gpu <= 0:
+            raise ConfigError(f"trainer.peak_tflops_per_gpu is {self.peak_tflops_per_gpu}; give the device's peak "
+                              "TFLOPS (> 0), or null to look it up by GPU type")
         if self.rollout_timeout_s is not None and self.rollout_timeout_s <= 0:
             raise ConfigError(f"trainer.rollout_timeout_s is {self.rollout_timeout_s}; it must be > 0 (or null)")
         if self.test_freq == 0 or self.test_freq < -1:
@@ -359,6 +365,11 @@ UNSUPPORTED: dict[str, str] = {
     "trainer.critic_warmup": "the critic and actor update every step; drop the key",
     "reward_model": "rewards come from recipe.reward (custom_reward_function.*, reward.*); a model reward is not "
                     "supported: drop reward_model.*",
+    "data.filter_overlong_prompts": "prompts longer than data.max_prompt_length are always dropped at load (verl's "
+                                    "filter_overlong_prompts=True); drop the key",
+    "data.truncation": "prompts are never truncated: longer ones than data.max_prompt_length are dropped at load; "
+                       "drop the key",
+    "data.return_raw_chat": "the agent loop always renders the raw chat messages itself; drop the key",
 }
 
 
@@ -373,15 +384,19 @@ def _unsupported(key: str) -> str | None:
 
 
 def refuse_unsupported_overrides(overrides: list[str]) -> None:
-    """Refuse command-line overrides (`key=value`, `+key=value`) that set a refused verl key, naming it and what to
-    do instead; run before Hydra composes (which would stop at such a key with a bare "not in struct")."""
+    """Refuse command-line overrides (`key=value`, `+key=value`) that set refused verl keys, naming each (one line
+    each, in order) and what to do instead; run before Hydra composes (which would stop at the first such key with
+    a bare "not in struct")."""
+    refused = []
     for arg in overrides:
         if arg.startswith("-") or "=" not in arg:
             continue
         key = arg.split("=", 1)[0].lstrip("+~")
         advice = _unsupported(key)
         if advice is not None:
-            raise ConfigError(f"not supported by polyturn: {key}; {advice}")
+            refused.append(f"not supported by polyturn: {key}; {advice}")
+    if refused:
+        raise ConfigError("\n".join(refused))
 
 
 def _section_type(hint: Any) -> type | None:

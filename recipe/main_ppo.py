@@ -29,6 +29,7 @@ from megatron_workers import cpu_compat
 from recipe import checkpoint
 from recipe.config_schema import PPOConfig, RayInitConfig, is_hub_id, refuse_unsupported_overrides
 from recipe.data.dataset import PromptBatch, RLDataset
+from recipe.flops import MFU
 from recipe.placement import Placement, PlacementPlan, plan_placement
 from recipe.reward import RewardFn
 from recipe.tracking import Tracking
@@ -116,7 +117,7 @@ def build_workers(cfg: PPOConfig, model_path: str, plan: PlacementPlan) -> Worke
 def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Iterator[PromptBatch]]:
     """Everything a run needs, started: the trainer and its endless prompt batches; with a checkpoint to resume
     (`trainer.resume_mode`), the trainer is restored from it and the engines synced before this returns."""
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from rollout.agent_loop import AgentLoop
     from rollout.interactions.registry import InteractionRegistry
@@ -152,8 +153,9 @@ def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Ite
         val_kwargs = cfg.actor_rollout_ref.rollout.val_kwargs
         validator = Validator(val_prompts, validation_loop(loop, tokenizer, val_kwargs), val_kwargs,
                               RewardFn(cfg.reward, cfg.custom_reward_function), log_generations=t.log_val_generations)
+    mfu = MFU.for_run(AutoConfig.from_pretrained(path), t.peak_tflops_per_gpu, t.n_gpus_per_node * t.nnodes)
     trainer = Trainer(cfg, workers, loop, tracker, validator=validator,
-                      batches_per_epoch=len(dataset) // cfg.data.train_batch_size)
+                      batches_per_epoch=len(dataset) // cfg.data.train_batch_size, mfu=mfu)
     if resume is not None:
         try:
             trainer.resume(resume, batches)

@@ -61,6 +61,7 @@ from recipe import checkpoint
 from recipe.batch import collate
 from recipe.config_schema import PPOConfig
 from recipe.data.dataset import PromptBatch
+from recipe.flops import MFU
 from recipe.reward import RewardFn, RewardTerms, policy_text
 from recipe.tracking import Tracking
 from recipe.validation import TABLE_COLUMNS, Validator, trajectory_records, write_jsonl
@@ -142,7 +143,7 @@ class Trainer:
     """GRPO / PPO on Megatron workers and SGLang engines; `fit` runs `cfg.total_steps` steps, validating as configured."""
 
     def __init__(self, cfg: PPOConfig, workers: Workers, agent_loop: AgentLoop, tracker: Tracking, *,
-                 validator: Validator | None = None, batches_per_epoch: int = 1):
+                 validator: Validator | None = None, batches_per_epoch: int = 1, mfu: MFU | None = None):
         self.cfg = cfg
         self.workers = workers
         self.agent_loop = agent_loop
@@ -160,6 +161,7 @@ class Trainer:
         self.row_multiple = math.lcm(self.actor_mini_batches, self.critic_mini_batches) * cfg.dp_size
         self.validator = validator  # data.val_files rolled out and scored (recipe.validation); None: no validation
         self.total_steps = cfg.total_steps(batches_per_epoch)
+        self.mfu = mfu  # perf/mfu/actor (recipe.flops); None: the device's peak FLOPs are unknown (e.g. a CPU)
         self._loop = asyncio.new_event_loop()
         self._megatron_memory("offload")  # the first rollout finds the GPUs free of offloaded training state
 
@@ -297,6 +299,10 @@ class Trainer:
         metrics["perf/time_per_step"] = timer.metrics["timing/step_s"]
         gpus = self.cfg.trainer.n_gpus_per_node * self.cfg.trainer.nnodes
         metrics["perf/throughput"] = metrics["perf/tokens_per_s"] / gpus  # verl's: tokens per second per GPU
+        if self.mfu is not None:
+            metrics["perf/mfu/actor"] = self.mfu.of_update(batch["attention_mask"].sum(dim=1).tolist(),
+                                                           self.cfg.actor_rollout_ref.actor.ppo_epochs,
+                                                           timer.metrics["timing/update_actor_s"])
         metrics["perf/rollout_tokens_per_s"] = rollout_m["rollout/sampled_tokens"] / timer.metrics["timing/rollout_s"]
         self.tracker.log(metrics, step)
         self._log_examples(trajs, terms, step)

@@ -56,6 +56,7 @@ reward.interaction_weight reward.outcome_weight reward.tool_final_weight reward.
 trainer.default_local_dir trainer.experiment_name trainer.logger trainer.n_gpus_per_node trainer.nnodes
 trainer.project_name trainer.rollout_timeout_s trainer.seed trainer.total_training_steps
 trainer.save_freq trainer.resume_mode trainer.resume_from_path trainer.max_actor_ckpt_to_keep
+trainer.peak_tflops_per_gpu
 """.split()
 
 

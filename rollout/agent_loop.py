@@ -84,6 +84,7 @@ class ChatCodec:
     def __init__(self, tokenizer: Any, stop_token_ids: list[int]):
         self.tokenizer = tokenizer
         self.stop_token_ids = set(stop_token_ids)
+        self._assistant_prefix: str | None = None  # the placeholder conversation's generation prompt (assistant_ids)
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> ChatCodec:
@@ -136,7 +137,9 @@ class ChatCodec:
         (e.g. a newline) belongs to the next `delta_ids`, as in the loop.
         """
         base = [{"role": "user", "content": "x"}]
-        prefix = self._render(base, None, gen_prompt=True)
+        if self._assistant_prefix is None:
+            self._assistant_prefix = self._render(base, None, gen_prompt=True)
+        prefix = self._assistant_prefix
         text = self._render(base + [message], None, gen_prompt=False)
         if not text.startswith(prefix):
             raise ValueError("the chat template renders an assistant message differently from its generation prompt "

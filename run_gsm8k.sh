@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
-# GRPO on GSM8K with the calc_gsm8k_reward tool and the gsm8k interaction.
+# GRPO on GSM8K with tools; without a GPU, the CPU preset that learns (synthetic GSM8K-format problems).
 #
 #   bash run_gsm8k.sh [hydra overrides...]
 #
 # 1. installs .venv (scripts/install.sh; returns at once when up to date);
-# 2. prepares GSM8K as verl-format parquet in $DATA_DIR (default ./data/gsm8k, git-ignored) from the
-#    local copy in ../shared/data/gsm8k when it exists, else from the hub (openai/gsm8k);
-# 3. trains: the gsm8k_qwen2_5_3b preset when a GPU is present, else cpu_tiny (the tiny test model,
-#    a few steps on CPU). Extra arguments are Hydra overrides, e.g.
+# 2. with a GPU (or PRESET set): prepares GSM8K as verl-format parquet in $DATA_DIR (default ./data/gsm8k,
+#    git-ignored) from ../shared/data/gsm8k when it exists, else from the hub (openai/gsm8k), and trains
+#    the gsm8k_qwen2_5_3b preset (PRESET=cpu_tiny: the tiny test model, a few steps on CPU);
+# 3. without a GPU: the cpu_learn preset in $RUN_DIR (default ./outputs/cpu_learn/seed$SEED):
+#    synthetic GSM8K-format data (recipe.data.synthetic_math) -> tiny Qwen2 (init std 0.02) ->
+#    multi-turn SFT (recipe.main_sft) -> GRPO with the python tool (recipe.main_ppo --config-name
+#    cpu_learn, validated before the first step and every few steps) -> one JSON line
+#    {"val_acc_sft", "val_acc_rl", "tool_call_rate_sft", "tool_call_rate_rl", "steps", "wall_s"}
+#    and $RUN_DIR/val_acc.svg. SEED seeds the data, the model, SFT and RL.
+# Extra arguments are Hydra overrides of the (RL) trainer, e.g.
 #    bash run_gsm8k.sh trainer.total_training_steps=5 actor_rollout_ref.model.path=/models/Qwen2.5-3B-Instruct
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -16,21 +22,47 @@ ROOT=$(pwd)
 bash scripts/install.sh
 . .venv/bin/activate
 
-DATA_DIR=${DATA_DIR:-$ROOT/data/gsm8k}
-LOCAL_GSM8K=${LOCAL_GSM8K:-$ROOT/../shared/data/gsm8k}
-if [ ! -f "$DATA_DIR/train.parquet" ]; then
-  if [ -f "$LOCAL_GSM8K/train.jsonl" ]; then
-    python -m recipe.data.gsm8k --out "$DATA_DIR" --local-dir "$LOCAL_GSM8K"
-  else
-    python -m recipe.data.gsm8k --out "$DATA_DIR"
+if [ -n "${PRESET:-}" ] || python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  DATA_DIR=${DATA_DIR:-$ROOT/data/gsm8k}
+  LOCAL_GSM8K=${LOCAL_GSM8K:-$ROOT/../shared/data/gsm8k}
+  if [ ! -f "$DATA_DIR/train.parquet" ]; then
+    if [ -f "$LOCAL_GSM8K/train.jsonl" ]; then
+      python -m recipe.data.gsm8k --out "$DATA_DIR" --local-dir "$LOCAL_GSM8K"
+    else
+      python -m recipe.data.gsm8k --out "$DATA_DIR"
+    fi
   fi
+  PRESET=${PRESET:-gsm8k_qwen2_5_3b}
+  DATA_ARGS=("data.train_files=[$DATA_DIR/train.parquet]")
+  if [ "$PRESET" = cpu_tiny ]; then
+    export WANDB_MODE=${WANDB_MODE:-offline}  # no login on CPU dev machines; `wandb sync` the run later
+  else
+    DATA_ARGS+=("data.val_files=[$DATA_DIR/test.parquet]")  # cpu_tiny does not validate
+  fi
+  echo "run_gsm8k: preset $PRESET, data $DATA_DIR"
+  exec python -m recipe.main_ppo --config-name "$PRESET" "${DATA_ARGS[@]}" "$@"
 fi
 
-if python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-  PRESET=${PRESET:-gsm8k_qwen2_5_3b}
-else
-  PRESET=${PRESET:-cpu_tiny}
-  export WANDB_MODE=${WANDB_MODE:-offline}  # no login on CPU dev machines; `wandb sync` the run later
-fi
-echo "run_gsm8k: preset $PRESET, data $DATA_DIR"
-exec python -m recipe.main_ppo --config-name "$PRESET" "data.train_files=[$DATA_DIR/train.parquet]" "$@"
+# ---- no GPU: the cpu_learn preset --------------------------------------------------------------
+export WANDB_MODE=${WANDB_MODE:-offline}
+SEED=${SEED:-0}
+RUN_DIR=${RUN_DIR:-$ROOT/outputs/cpu_learn/seed$SEED}
+SFT_STEPS=${SFT_STEPS:-600}          # optimizer steps of 16 demonstrations
+N_TEST=${N_TEST:-256}                # held-out problems
+START=$(date +%s)
+echo "run_gsm8k: cpu_learn preset, seed $SEED, run dir $RUN_DIR"
+rm -rf "$RUN_DIR/data" "$RUN_DIR/base_model" "$RUN_DIR/sft" "$RUN_DIR/rl"  # this preset's own outputs only
+
+python -m recipe.data.synthetic_math --out "$RUN_DIR/data" --seed "$SEED" --test "$N_TEST" \
+  --tool-config tool_configs/python_calc_tool_config.yaml
+python -m recipe.tiny_model --out "$RUN_DIR/base_model" --seed "$SEED" --layers 2 --hidden 128 --heads 4 \
+  --kv-heads 2 --intermediate 512 --init-std 0.02 --compact-tools
+python -m recipe.main_sft "data.train_files=[$RUN_DIR/data/sft.parquet]" "model.partial_pretrain=$RUN_DIR/base_model" \
+  "trainer.default_local_dir=$RUN_DIR/sft" "trainer.total_training_steps=$SFT_STEPS" data.train_batch_size=16 \
+  data.micro_batch_size_per_gpu=16 data.max_length=256 optim.lr=2e-3 optim.min_lr=1e-4 optim.lr_warmup_steps=20 \
+  optim.lr_decay_style=cosine "optim.lr_decay_steps=$SFT_STEPS" optim.weight_decay=0.0 ray_init.num_cpus=2 "seed=$SEED"
+python -m recipe.main_ppo --config-name cpu_learn "data.train_files=[$RUN_DIR/data/train.parquet]" \
+  "data.val_files=[$RUN_DIR/data/test.parquet]" "actor_rollout_ref.model.path=$RUN_DIR/sft/hf" \
+  "trainer.default_local_dir=$RUN_DIR/rl" "trainer.validation_data_dir=$RUN_DIR/rl/validation" \
+  "trainer.seed=$SEED" "$@"
+python -m recipe.cpu_preset --val-dir "$RUN_DIR/rl/validation" --out "$RUN_DIR" --wall-s "$(( $(date +%s) - START ))"

@@ -446,8 +446,11 @@ class MegatronRunner:
 
     # -- checkpoint -----------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> None:
-        """Write this rank's model shard, optimizer, scheduler, RNG states and step (`checkpoint.py`)."""
+        """Write this rank's model shard, optimizer, scheduler, RNG states and step (`checkpoint.py`); rank 0 adds
+        the model's config and tokenizer (`checkpoint.HF_DIR`), which an HF export of the checkpoint needs."""
         checkpoint.save_rank(path, self.module, self.optimizer, self.scheduler, self.step)
+        if torch.distributed.get_rank() == 0:
+            checkpoint.save_hf_files(Path(path) / checkpoint.HF_DIR, self.hf_config, self.hf_dir)
 
     def load_checkpoint(self, path: str) -> int:
         """Restore what `save_checkpoint` wrote for this rank; returns the step."""

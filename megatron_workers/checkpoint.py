@@ -35,6 +35,7 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
     "added_tokens.json", "chat_template.jinja", "generation_config.json", "tokenizer.model",
 )
+HF_DIR = "huggingface"  # in a resume checkpoint dir: the model's config.json and tokenizer (verl's name)
 
 
 def _layout() -> dict[str, int]:
@@ -136,13 +137,21 @@ def export_hf(path: str | Path, module: torch.nn.Module, hf_config: Any, source_
     state = mmodel.export_hf_state_dict(module, hf_config, dst_rank=0)
     if state is not None:
         path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        hf_config.save_pretrained(path)
+        save_hf_files(path, hf_config, source_dir)
         save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
-        if source_dir is not None:
-            for name in TOKENIZER_FILES:
-                src = Path(source_dir) / name
-                if src.is_file():
-                    shutil.copy2(src, path / name)
         logger.info("exported %d tensors to %s", len(state), path)
     torch.distributed.barrier()
+
+
+def save_hf_files(path: str | Path, hf_config: Any, source_dir: Optional[str | Path]) -> None:
+    """`config.json` from `hf_config` and the tokenizer files present in `source_dir` (if any) into `path`:
+    everything of an HF checkpoint dir but the weights (a resume checkpoint keeps them in `HF_DIR`, so that
+    `python -m recipe.export_hf` needs nothing else)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    hf_config.save_pretrained(path)
+    if source_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(source_dir) / name
+            if src.is_file():
+                shutil.copy2(src, path / name)

@@ -215,14 +215,29 @@ def test_run_writes_metrics_for_every_step(run):
 
 
 @pytest.mark.e2e
-def test_wandb_offline_run_recorded(run):
-    """Contract: with trainer.logger=[console,wandb] (WANDB_MODE=offline here) the run's metrics land in wandb's files."""
-    runs = list((run["out_dir"] / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1
-    (record,) = runs[0].glob("run-*.wandb")
-    data = record.read_bytes()  # wandb's protobuf records keep metric names verbatim
-    for key in (b"actor/pg_loss", b"critic/score/mean", b"timing/step_s", b"rollout/num_trajectories"):
-        assert data.count(key) >= STEPS * len(ESTIMATORS), key
+def test_wandb_offline_run_reads_back(run):
+    """Contract: with trainer.logger=[console,wandb] (WANDB_MODE=offline here) the run's wandb transaction log, read
+    back record by record (tests/test_wandb_offline.py), holds every step's metrics with the values of
+    metrics.jsonl (actor/, timing/, perf/ among them), the validation's val-core/ metrics, and the val/generations
+    table with trainer.log_val_generations rows of the validation's columns."""
+    from recipe.validation import TABLE_COLUMNS
+    from tests.test_wandb_offline import read_offline_run
+
+    (run_dir,) = (run["out_dir"] / "wandb").glob("offline-run-*")
+    wb = read_offline_run(run_dir)
+    steps = STEPS * len(ESTIMATORS)
+    assert sorted(wb.history) == list(range(1, steps + 1))
+    for m in (json.loads(x) for x in (run["out_dir"] / "metrics.jsonl").read_text().splitlines()):
+        row = wb.history[m["step"]]
+        for key in ("actor/pg_loss", "actor/grad_norm", "timing/step_s", "timing/update_actor_s", "perf/throughput"):
+            assert key in row or "timing/validation_s" in m, (m["step"], key)
+        for key, value in m.items():
+            if key != "step" and value is not None:
+                assert row[key] == pytest.approx(value, rel=1e-12), (m["step"], key)
+    val_key = f"val-core/{gsm8k.DATA_SOURCE}/reward/mean@1"
+    assert wb.history[steps][val_key] == pytest.approx(run["val"][val_key])
+    table = wb.table("val/generations", steps)
+    assert table["columns"] == TABLE_COLUMNS and len(table["data"]) == 2  # trainer.log_val_generations=2
 
 
 @pytest.mark.e2e

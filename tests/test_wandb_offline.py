@@ -101,7 +101,8 @@ def _update(target: dict[str, Any], items) -> None:
 @pytest.mark.unit
 def test_tracking_run_reads_back_exactly(tmp_path, monkeypatch):
     """Contract: what `Tracking` sends to wandb offline (metrics per step, a table, the config) is in the run's
-    transaction log under the same keys, steps and values, and the table's columns and rows load back."""
+    transaction log under the same keys, steps and values, and the table's columns and rows load back; the log is
+    long enough (> 2 blocks of 32 KiB) that records split across blocks are joined back."""
     from recipe.tracking import Tracking
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -109,10 +110,15 @@ def test_tracking_run_reads_back_exactly(tmp_path, monkeypatch):
     tracker.log({"actor/pg_loss": 0.5, "timing/step_s": 1.25}, 1)
     tracker.log_table("val/generations", ["uid", "score"], [["a", 1.0], ["b", 0.0]], 1)
     tracker.log({"val-core/gsm8k/reward/mean@1": 0.25, "actor/pg_loss": -0.125}, 2)
+    filler = {f"rollout/tool/tool_{i}/calls": float(i) for i in range(80)}
+    for step in range(3, 23):
+        tracker.log({**filler, "timing/step_s": step / 8}, step)
     tracker.finish()
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    assert next(run_dir.glob("run-*.wandb")).stat().st_size > 2 * 32 * 1024
     run = read_offline_run(run_dir)
-    assert sorted(run.history) == [1, 2]
+    assert sorted(run.history) == list(range(1, 23))
+    assert all(run.history[k] == {**run.history[k], **filler, "timing/step_s": k / 8} for k in range(3, 23))
     assert run.history[1]["actor/pg_loss"] == 0.5 and run.history[1]["timing/step_s"] == 1.25
     assert run.history[2]["val-core/gsm8k/reward/mean@1"] == 0.25 and run.history[2]["actor/pg_loss"] == -0.125
     table = run.table("val/generations", 1)

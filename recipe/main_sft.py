@@ -43,20 +43,91 @@ def _val_loss(group: Any, batch: dict[str, Any]) -> float:
     return float(-log_probs.sum() / batch["response_mask"].sum().clamp(min=1).to(torch.float32))
 
 
-def run(cfg: SFTConfig, config_dict: dict | None = None) -> dict[str, float]:
-    """Load and encode the data, start the ranks, train, export `<default_local_dir>/hf`; returns the run's figures."""
-    import ray
-    from transformers import AutoConfig, AutoTokenizer
+def _load(cfg: SFTConfig, path: str) -> tuple[Any, Any]:
+    """The encoded training and validation sets (None without data.val_files), checked against the batch sizes."""
+    from transformers import AutoTokenizer
+
+    from recipe.data.sft_dataset import SFTDataset
+    from rollout.agent_loop import ChatCodec
+
+    d = cfg.data
+    codec = ChatCodec.for_tokenizer(AutoTokenizer.from_pretrained(path))  # the rollout's template and stop token
+
+    def load(files: list[str]) -> SFTDataset:
+        return SFTDataset(files, codec, messages_key=d.multiturn.messages_key, tools_key=d.multiturn.tools_key,
+                          max_length=d.max_length, truncation=d.truncation)
+
+    train = load(d.train_files)
+    if len(train) < d.train_batch_size:
+        raise ValueError(f"{len(train)} rows make no batch of data.train_batch_size={d.train_batch_size}; lower it")
+    val = load(d.val_files) if d.val_files else None
+    if val is not None and len(val) < cfg.dp_size:
+        raise ValueError(f"data.val_files hold {len(val)} rows, fewer than the {cfg.dp_size} data-parallel ranks; add rows")
+    return train, val
+
+
+def _start_actor(cfg: SFTConfig, path: str, placement: Any) -> Any:
+    """The Megatron actor's worker group on the placement's bundles, its model built from `path`."""
+    from transformers import AutoConfig
 
     from megatron_workers.actor import MegatronActor
     from megatron_workers.config import ActorConfig
     from megatron_workers.worker_group import MegatronWorkerGroup, ParallelLayout
+
+    m, d = cfg.megatron, cfg.data
+    layout = ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size, dp=cfg.dp_size)
+    group = MegatronWorkerGroup(layout, placement.rank_options("actor"), hf_config=AutoConfig.from_pretrained(path),
+                                seed=cfg.seed)
+    try:
+        placement.check_ranks("actor", [info.gpu_ids for info in group.ranks])
+        actor_cfg = ActorConfig(optim=cfg.optim, ppo_mini_batch_size=d.train_batch_size,
+                                ppo_micro_batch_size_per_gpu=d.micro_batch_size_per_gpu, megatron=m)
+        group.build(functools.partial(MegatronActor, path, actor_cfg))
+    except BaseException:
+        group.shutdown()
+        raise
+    return group
+
+
+def _fit(cfg: SFTConfig, group: Any, train: Any, val: Any, tracker: Any) -> dict[str, Any]:
+    """Train `trainer.total_training_steps` (or total_epochs) steps, one optimizer step per batch; the run's losses."""
+    d, t = cfg.data, cfg.trainer
+    batches_per_epoch = len(train) // d.train_batch_size
+    steps = t.total_training_steps or t.total_epochs * batches_per_epoch
+    logger.info("SFT: %d conversations (%d loss tokens), %d steps of %d", len(train), train.num_loss_tokens, steps,
+                d.train_batch_size)
+    # every DP rank gets an equal share of the validation rows (the remainder is left out)
+    val_batch = val.collate(val.items[:len(val) // cfg.dp_size * cfg.dp_size]) if val is not None else None
+    losses: list[float] = []
+    val_loss = None
+    batches = train.batches(d.train_batch_size, seed=cfg.seed)
+    for step in range(1, steps + 1):
+        batch = next(batches)
+        t0 = time.monotonic()
+        metrics = group.dispatch("update_sft", batch, mini_batches=1)[0]  # summed over DP ranks already
+        dt = time.monotonic() - t0
+        losses.append(metrics["sft/sft_loss"])
+        metrics.update({"sft/epoch": (step - 1) / batches_per_epoch,
+                        "sft/loss_tokens": float(batch["response_mask"].sum()),
+                        "perf/time_per_step": dt,
+                        "perf/throughput": float(batch["attention_mask"].sum()) / dt / group.world_size})
+        if val_batch is not None and (step == steps or (t.test_freq > 0 and step % t.test_freq == 0)):
+            val_loss = metrics["val/loss"] = _val_loss(group, val_batch)
+        tracker.log(metrics, step)
+    result: dict[str, Any] = {"sft_loss_first": losses[0], "sft_loss_last": losses[-1], "steps": steps}
+    if val_loss is not None:
+        result["val_loss"] = val_loss
+    return result
+
+
+def run(cfg: SFTConfig, config_dict: dict | None = None) -> dict[str, Any]:
+    """Load and encode the data, start the ranks, train, export `<default_local_dir>/hf`; returns the run's figures."""
+    import ray
+
     from recipe.config_schema import is_hub_id
-    from recipe.data.sft_dataset import SFTDataset
     from recipe.main_ppo import start_ray
     from recipe.placement import Placement, plan_trainer_only
     from recipe.tracking import Tracking
-    from rollout.agent_loop import ChatCodec
 
     t_start = time.monotonic()
     path = cfg.model.partial_pretrain
@@ -64,57 +135,18 @@ def run(cfg: SFTConfig, config_dict: dict | None = None) -> dict[str, float]:
         from huggingface_hub import snapshot_download
 
         path = snapshot_download(path)
-    d, t = cfg.data, cfg.trainer
-    codec = ChatCodec.for_tokenizer(AutoTokenizer.from_pretrained(path))
-
-    def load(files: list[str]) -> SFTDataset:
-        return SFTDataset(files, codec, messages_key=d.multiturn.messages_key, tools_key=d.multiturn.tools_key,
-                          max_length=d.max_length, truncation=d.truncation)
-
-    train = load(d.train_files)
-    val = load(d.val_files) if d.val_files else None
-    batches_per_epoch = len(train) // d.train_batch_size
-    steps = t.total_training_steps or t.total_epochs * batches_per_epoch
-    if steps < 1:
-        raise ValueError(f"{len(train)} rows make no batch of data.train_batch_size={d.train_batch_size}; lower it")
-    logger.info("SFT data: %d conversations (%d loss tokens) from %s; %d steps of %d", len(train),
-                train.num_loss_tokens, d.train_files, steps, d.train_batch_size)
-
-    plan = plan_trainer_only(t.nnodes, t.n_gpus_per_node)  # before Ray: nothing to refuse later
+    train, val = _load(cfg, path)
+    t = cfg.trainer
+    plan = plan_trainer_only(t.nnodes, t.n_gpus_per_node)
     start_ray(cfg.ray_init)
-    placement = Placement(plan)
-    group = None
-    tracker = None
+    placement = group = tracker = None
     try:
-        m = cfg.megatron
-        layout = ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size, dp=cfg.dp_size)
-        group = MegatronWorkerGroup(layout, placement.rank_options("actor"), hf_config=AutoConfig.from_pretrained(path),
-                                    seed=cfg.seed)
-        placement.check_ranks("actor", [info.gpu_ids for info in group.ranks])
-        actor_cfg = ActorConfig(optim=cfg.optim, ppo_mini_batch_size=d.train_batch_size,
-                                ppo_micro_batch_size_per_gpu=d.micro_batch_size_per_gpu, megatron=m)
-        group.build(functools.partial(MegatronActor, path, actor_cfg))
+        placement = Placement(plan)
+        group = _start_actor(cfg, path, placement)
         tracker = Tracking(t.logger, t.project_name, t.experiment_name, t.default_local_dir, config=config_dict)
-        val_batch = val.collate(val.items) if val is not None else None
-        losses: list[float] = []
-        val_loss = None
-        batches = train.batches(d.train_batch_size, seed=cfg.seed)
         t_train = time.monotonic()
-        for step in range(1, steps + 1):
-            batch = next(batches)
-            t0 = time.monotonic()
-            metrics = group.dispatch("update_sft", batch, mini_batches=1)[0]  # summed over DP ranks already
-            dt = time.monotonic() - t0
-            losses.append(metrics["sft/sft_loss"])
-            tokens = int(batch["attention_mask"].sum())
-            metrics.update({"sft/epoch": (step - 1) / max(batches_per_epoch, 1),
-                            "sft/loss_tokens": float(batch["response_mask"].sum()),
-                            "perf/time_per_step": dt, "perf/throughput": tokens / dt / layout.world_size})
-            if val_batch is not None and (step == steps or (t.test_freq > 0 and step % t.test_freq == 0)):
-                val_loss = _val_loss(group, val_batch)
-                metrics["val/loss"] = val_loss
-            tracker.log(metrics, step)
-        wall_train = time.monotonic() - t_train
+        result = _fit(cfg, group, train, val, tracker)
+        result["train_s"] = round(time.monotonic() - t_train, 2)
         out = Path(t.default_local_dir) / "hf"
         group.call_all("export_hf", str(out))
         logger.info("SFT model written to %s (use it as actor_rollout_ref.model.path)", out)
@@ -123,13 +155,10 @@ def run(cfg: SFTConfig, config_dict: dict | None = None) -> dict[str, float]:
             tracker.finish()
         if group is not None:
             group.shutdown()
-        placement.shutdown()
+        if placement is not None:
+            placement.shutdown()
         ray.shutdown()
-    result = {"sft_loss_first": losses[0], "sft_loss_last": losses[-1], "steps": steps,
-              "train_s": round(wall_train, 2), "wall_s": round(time.monotonic() - t_start, 2), "hf_dir": str(out)}
-    if val_loss is not None:
-        result["val_loss"] = val_loss
-    return result
+    return {**result, "wall_s": round(time.monotonic() - t_start, 2), "hf_dir": str(out)}
 
 
 @hydra.main(config_path="config", config_name="sft_trainer", version_base="1.3")

@@ -159,7 +159,8 @@ def _nll(model_dir: Path, batch: dict[str, torch.Tensor]) -> float:
 def test_main_sft_trains_megatron_and_exports_an_hf_dir(tiny_model_dir, codec, tmp_path):
     """Contract: `python -m recipe.main_sft` trains the Megatron actor on multi-turn rows (loss falls on a repeated
     batch), writes `<default_local_dir>/hf` that transformers loads and actor_rollout_ref.model.path accepts, holding
-    the trained weights, and prints the final JSON line; the loss it reports is the masked loss transformers computes.
+    the trained weights, and prints the final JSON line; the training and validation losses it reports are the masked
+    loss transformers computes before and after training.
     A bad value stops the same command before Ray starts, naming the key."""
     rows = [{"messages": [SYSTEM, {"role": "user", "content": f"What is {a} plus {b}?"},
                           {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
@@ -172,7 +173,8 @@ def test_main_sft_trains_megatron_and_exports_an_hf_dir(tiny_model_dir, codec, t
     cmd = [sys.executable, "-m", "recipe.main_sft", f"data.train_files=[{data}]",
            f"model.partial_pretrain={tiny_model_dir}", f"trainer.default_local_dir={out}",
            "trainer.total_training_steps=3", "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2",
-           "optim.lr=1e-3", "optim.weight_decay=0.0", "seed=1", "ray_init.num_cpus=2", f"hydra.run.dir={tmp_path}/hydra"]
+           "optim.lr=1e-3", "optim.weight_decay=0.0", "seed=1", "ray_init.num_cpus=2", f"hydra.run.dir={tmp_path}/hydra",
+           f"data.val_files=[{data}]"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     bad = subprocess.run(cmd + ["data.truncation=left"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "data.truncation='left'" in bad.stderr
@@ -189,4 +191,6 @@ def test_main_sft_trains_megatron_and_exports_an_hf_dir(tiny_model_dir, codec, t
     dataset = SFTDataset([data], codec)
     batch = dataset.collate(dataset.items)
     assert _nll(tiny_model_dir, batch) == pytest.approx(logged[0], abs=1e-4)  # same tokens, same mask, same loss
-    assert _nll(hf, batch) < logged[-1]  # the export holds the weights after the third step
+    exported = _nll(hf, batch)
+    assert exported < logged[-1]  # the export holds the weights after the third step,
+    assert result["val_loss"] == pytest.approx(exported, abs=1e-4)  # which the validation after it measured

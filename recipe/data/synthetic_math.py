@@ -15,11 +15,12 @@ Files written to `--out`:
     sft.parquet                   verl multi-turn SFT rows: `messages` and `tools` (JSON text of the
                                   tool schemas, exactly as the rollout renders them)
 
-An SFT demo answers either by itself (`"23 + 45 = 68\\n#### 68"`) or, with probability
-`--tool-fraction`, by calling the tool first (`print(23 + 45)`), reading its reply (the text the
-python tool returns for that output) and answering `#### 68`. A tiny model cannot add two-digit
-numbers, but it can copy them: so the SFT policy is right mostly when it calls the tool, and it
-calls it about as often as its demos did. That leaves GRPO something to find on the training
+An SFT demo writes the equation and either its result (`"23 + 45 = 68\\n#### 68"`) or, with
+probability `--tool-fraction`, `"23 + 45 = ?"` and a tool call (`print(23 + 45)`), then reads the
+tool's reply (the text the python tool returns for that output) and answers `#### 68`. Both kinds
+copy the operands from the question the same way, so every demo trains that. A tiny model cannot
+add two-digit numbers, but it can copy them: so the SFT policy is right mostly when it calls the
+tool, and it calls it about as often as its demos did. That leaves GRPO something to find on the training
 problems' rewards: call the tool every time. Held-out problems never occur in train or SFT data.
 
 Departs from GSM8K: one arithmetic step per problem and a short system line (the tool block of
@@ -114,7 +115,7 @@ def sft_row(record: dict[str, Any], use_tool: bool, tools_json: str) -> dict[str
     if use_tool:
         call = {"type": "function", "function": {"name": TOOL_NAME,
                                                  "arguments": json.dumps({"code": f"print({a} {op} {b})"})}}
-        messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
+        messages += [{"role": "assistant", "content": f"{a} {op} {b} = ?", "tool_calls": [call]},
                      {"role": "tool", "content": python_tool_reply(f"{truth}\n")},
                      {"role": "assistant", "content": f"#### {truth}"}]
     else:

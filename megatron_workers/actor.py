@@ -48,7 +48,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import unwrap_model
 
-from megatron_workers import checkpoint, cpu_compat, model as mmodel
+from megatron_workers import checkpoint, model as mmodel
 from megatron_workers.config import ActorConfig, OptimConfig, WorkerConfig
 from megatron_workers.logprobs import vocab_parallel_logprobs_entropy
 
@@ -203,12 +203,11 @@ class MegatronRunner:
             module.requires_grad_(False)
             self.model = [module]
             return
-        use_dist = cpu_compat.distributed_optimizer_supported()
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_dist
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.optim.use_distributed_optimizer
         )
         self.model = [DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)]
-        self._build_optimizer(cfg.optim, use_dist)
+        self._build_optimizer(cfg.optim)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -226,15 +225,14 @@ class MegatronRunner:
         mmodel.load_hf_weights(module, hf_state, self.hf_config)
         return module
 
-    def _build_optimizer(self, o: OptimConfig, use_dist: bool) -> None:
+    def _build_optimizer(self, o: OptimConfig) -> None:
         ocfg = OptimizerConfig(
             optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
             adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-            clip_grad=o.clip_grad, use_distributed_optimizer=use_dist, params_dtype=torch.float32,
+            clip_grad=o.clip_grad, use_distributed_optimizer=o.use_distributed_optimizer, params_dtype=torch.float32,
         )
         self.optimizer = get_megatron_optimizer(ocfg, self.model)
-        logger.info("optimizer: Megatron %s, %s", type(self.optimizer).__name__,
-                    "distributed optimizer" if use_dist else "plain optimizer (the distributed one needs CUDA)")
+        logger.info("optimizer: Megatron %s", type(self.optimizer).__name__)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=o.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr,
             lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=max(o.lr_decay_steps, o.lr_warmup_steps + 1),

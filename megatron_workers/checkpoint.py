@@ -4,7 +4,14 @@ Resume checkpoints are per rank: `DIR/rank_{r:05d}.pt` holds global rank `r`'s m
 (GPTModel state dict), optimizer state (Megatron's optimizer `state_dict`), LR scheduler,
 RNG states (python, numpy, torch CPU, CUDA when present, Megatron's RNG tracker) and the
 step; `DIR/meta.json` (written by rank 0) records the layout and the step. Every rank
-writes its own file, so no gather is needed and a save costs one write per rank.
+writes its own file, so a save costs one write per rank.
+
+With the distributed optimizer, `state_dict` holds only the hyper-parameters and the step:
+the fp32 main parameters and the Adam state (both moments, step) live in DP shards. Each rank
+saves its own shard in its file, in Megatron's bucket-space layout
+(`get_parameter_state_dp_reshardable`, read back by `load_parameter_state_from_dp_reshardable`),
+so a save needs no gather. (Megatron's gathering `save_parameter_state` / `load_parameter_state`
+cannot restore torch Adam's per-parameter `step` in megatron-core 0.16.1: a KeyError.)
 
 Where it departs from Megatron-LM's `dist_checkpointing`: no resharding. A resume
 checkpoint loads into the *same* TP x PP x DP layout (checked, with a clear error). To
@@ -38,17 +45,59 @@ TOKENIZER_FILES = (
 HF_DIR = "huggingface"  # in a resume checkpoint dir: the model's config.json and tokenizer (verl's name)
 
 
-def _layout() -> dict[str, int]:
+def _layout(optimizer: Any) -> dict[str, int | bool]:
     return {
         "world_size": torch.distributed.get_world_size(),
         "tp": mpu.get_tensor_model_parallel_world_size(),
         "pp": mpu.get_pipeline_model_parallel_world_size(),
         "dp": mpu.get_data_parallel_world_size(),
+        "distributed_optimizer": _distributed(optimizer),
     }
 
 
 def _rank_file(path: Path, rank: int) -> Path:
     return path / f"rank_{rank:05d}.pt"
+
+
+def _distributed(optimizer: Any) -> bool:
+    return optimizer is not None and optimizer.config.use_distributed_optimizer
+
+
+def _sub_optimizers(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _sharded_param_state(optimizer: Any) -> list[dict[Any, Any]]:
+    """This rank's distributed-optimizer shards (main params, exp_avg, exp_avg_sq, step), copied out of the
+    live buffers, one bucket-space dict per sub-optimizer."""
+    states = []
+    for opt in _sub_optimizers(optimizer):
+        state = opt.get_parameter_state_dp_reshardable()
+        for gbuf, by_dtype in state.items():
+            if not isinstance(gbuf, int):  # per_bucket_numel metadata
+                continue
+            for buckets in by_dtype.values():
+                for bucket in buckets:
+                    for i, entry in enumerate(bucket):
+                        # the loader skips entries flagged as padding; every entry here is a parameter
+                        bucket[i] = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in entry.items()}
+                        bucket[i]["padding"] = False
+        states.append(state)
+    return states
+
+
+def _load_sharded_param_state(optimizer: Any, states: list[dict[Any, Any]]) -> None:
+    subs = _sub_optimizers(optimizer)
+    if len(states) != len(subs):
+        raise ValueError(f"the checkpoint holds {len(states)} distributed-optimizer states, this optimizer has {len(subs)}")
+    with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
+        for opt, state in zip(subs, states):
+            # DistributedOptimizer.load_state_dict gives every parameter the SAME `step` tensor, which torch's Adam
+            # then increments once per parameter per step (megatron-core 0.16.1): one tensor each, as before a save
+            for param_state in opt.optimizer.state.values():
+                if "step" in param_state:
+                    param_state["step"] = param_state["step"].clone()
+            opt.load_parameter_state_from_dp_reshardable(state)
 
 
 def rng_state() -> dict[str, Any]:
@@ -77,11 +126,12 @@ def save_rank(path: str | Path, module: torch.nn.Module, optimizer: Any, schedul
     path.mkdir(parents=True, exist_ok=True)
     rank = torch.distributed.get_rank()
     state = {
-        "layout": _layout(),
+        "layout": _layout(optimizer),
         "coords": (mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank(), mpu.get_data_parallel_rank()),
         "step": step,
         "model": module.state_dict(),
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "optimizer_shards": _sharded_param_state(optimizer) if _distributed(optimizer) else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "rng": rng_state(),
     }
@@ -90,7 +140,7 @@ def save_rank(path: str | Path, module: torch.nn.Module, optimizer: Any, schedul
     tmp.replace(_rank_file(path, rank))
     torch.distributed.barrier()
     if rank == 0:
-        (path / "meta.json").write_text(json.dumps({**_layout(), "step": step}, indent=2))
+        (path / "meta.json").write_text(json.dumps({**_layout(optimizer), "step": step}, indent=2))
     torch.distributed.barrier()
     logger.info("rank %d saved step %d to %s", rank, step, path)
 
@@ -105,12 +155,13 @@ def load_rank(path: str | Path, module: torch.nn.Module, optimizer: Any, schedul
     if not meta_file.is_file():
         raise FileNotFoundError(f"{meta_file} not found: {path} is not a complete polyturn resume checkpoint")
     meta = json.loads(meta_file.read_text())
-    here = _layout()
-    saved = {k: meta[k] for k in here}
+    here = _layout(optimizer)
+    saved = {k: meta.get(k, False) for k in here}
     if saved != here:
         raise ValueError(
             f"checkpoint {path} was saved with layout {saved} but this group is {here}; resume with the "
-            "same tp/pp/dp, or export_hf and start a new group from the HF checkpoint"
+            "same tp/pp/dp and optim.use_distributed_optimizer, or export_hf and start a new group from the HF "
+            "checkpoint"
         )
     rank = torch.distributed.get_rank()
     state = torch.load(_rank_file(path, rank), map_location="cpu", weights_only=False)
@@ -119,6 +170,8 @@ def load_rank(path: str | Path, module: torch.nn.Module, optimizer: Any, schedul
         if state["optimizer"] is None:
             raise ValueError(f"checkpoint {path} holds no optimizer state (saved by a reference worker)")
         optimizer.load_state_dict(state["optimizer"])
+        if _distributed(optimizer):  # main params and Adam state of this rank's DP shard
+            _load_sharded_param_state(optimizer, state["optimizer_shards"])
     if scheduler is not None and state["scheduler"] is not None:
         scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])

@@ -38,6 +38,9 @@ class OptimConfig:
     """Adam's denominator epsilon."""
     clip_grad: float = 1.0
     """Max global gradient norm; 0 disables clipping."""
+    use_distributed_optimizer: bool = True
+    """Megatron's distributed optimizer: Adam moments and fp32 main params sharded over the DP ranks (ZeRO-1),
+    gradients reduce-scattered, parameters all-gathered; False keeps a full copy on every DP rank."""
 
     def __post_init__(self) -> None:
         if self.lr_decay_style not in LR_DECAY_STYLES:

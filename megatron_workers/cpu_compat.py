@@ -27,9 +27,10 @@ session), before importing megatron. Measured against megatron-core 0.16.1 and t
 - `clip_grad_by_total_norm_fp32` asserts `torch.cuda.FloatTensor` grads; the optimizer gets a
   version with the same math (scale every grad by max_norm / (total_norm + 1e-6) when below 1)
   that accepts CPU grads.
-- Megatron's distributed optimizer checks `param.type() == "torch.cuda.FloatTensor"` in many
-  places; it is not adapted: `distributed_optimizer_supported()` says False on CPU and the actor
-  then builds Megatron's plain optimizer.
+- Megatron's distributed optimizer sorts the parameters it shards by `param.type()`, accepting only
+  the `torch.cuda.*Tensor` names (a CPU parameter is a TypeError). While `DistributedOptimizer` is
+  constructed (only then), `Tensor.type()` without arguments answers the CUDA name of a CPU
+  tensor's type; its sharding and its gloo reduce-scatter / all-gather then run unchanged.
 
 With a GPU present, `apply_cpu_compat()` changes nothing and answers "nccl".
 """
@@ -53,12 +54,15 @@ logger = logging.getLogger(__name__)
 _MARK = "_polyturn_cpu_compat"
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
 _OPTIMIZER_MODULE = "megatron.core.optimizer.optimizer"
-# Modules that create tensors with device="cuda" on the CPU-reachable path (megatron-core 0.16.1).
+_DISTRIB_OPTIMIZER_MODULE = "megatron.core.optimizer.distrib_optimizer"
+# Modules adapted as they are imported: those that create tensors with device="cuda" on the CPU-reachable path
+# (megatron-core 0.16.1), and the distributed optimizer (its type checks).
 _CUDA_FACTORY_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     _OPTIMIZER_MODULE,
     "megatron.core.optimizer.clip_grads",
     "megatron.core.utils",
+    _DISTRIB_OPTIMIZER_MODULE,
 )
 
 
@@ -106,6 +110,28 @@ def _clip_grad_by_total_norm_fp32(parameters: Any, max_norm: float, total_norm: 
         torch._foreach_mul_(grads, clip_coeff)
 
 
+def _cuda_type_names(init: Callable[..., None]) -> Callable[..., None]:
+    """Wrap `DistributedOptimizer.__init__` so that, during it, `Tensor.type()` names a CPU tensor's
+    type as its CUDA counterpart ("torch.FloatTensor" -> "torch.cuda.FloatTensor")."""
+    tensor_type = torch.Tensor.type
+
+    def cuda_named(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        name = tensor_type(self, *args, **kwargs)
+        if args or kwargs or self.device.type != "cpu":
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        torch.Tensor.type = cuda_named  # type: ignore[method-assign]
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            torch.Tensor.type = tensor_type  # type: ignore[method-assign]
+
+    return wrapper
+
+
 def _torch_view_on_cpu() -> types.ModuleType:
     """A module that forwards every attribute to `torch` but whose factories create CPU tensors."""
     view = types.ModuleType("torch", doc="torch, with CUDA-device tensor factories sent to the CPU")
@@ -122,6 +148,10 @@ def _adapt_module(module: types.ModuleType) -> None:
         module.torch = _torch_view_on_cpu()
     if module.__name__ == _OPTIMIZER_MODULE:
         module.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    if module.__name__ == _DISTRIB_OPTIMIZER_MODULE and not getattr(module.DistributedOptimizer.__init__, _MARK, False):
+        init = _cuda_type_names(module.DistributedOptimizer.__init__)
+        setattr(init, _MARK, True)
+        module.DistributedOptimizer.__init__ = init
 
 
 class _AdaptingLoader(importlib.abc.Loader):
@@ -177,8 +207,3 @@ def apply_cpu_compat() -> str:
     sys.meta_path.insert(0, _AdaptOnImport())
     logger.info("megatron-core adapted to CPU + gloo (no GPU present)")
     return "gloo"
-
-
-def distributed_optimizer_supported() -> bool:
-    """Whether Megatron's distributed optimizer can run here (its buffers and type checks need CUDA)."""
-    return not getattr(torch.cuda.current_device, _MARK, False)

@@ -26,7 +26,8 @@ actor_rollout_ref.actor.megatron.tensor_model_parallel_size
 actor_rollout_ref.actor.optim.adam_beta1 actor_rollout_ref.actor.optim.adam_beta2 actor_rollout_ref.actor.optim.adam_eps
 actor_rollout_ref.actor.optim.clip_grad actor_rollout_ref.actor.optim.lr actor_rollout_ref.actor.optim.lr_decay_steps
 actor_rollout_ref.actor.optim.lr_decay_style actor_rollout_ref.actor.optim.lr_warmup_init
-actor_rollout_ref.actor.optim.lr_warmup_steps actor_rollout_ref.actor.optim.min_lr actor_rollout_ref.actor.optim.weight_decay
+actor_rollout_ref.actor.optim.lr_warmup_steps actor_rollout_ref.actor.optim.min_lr
+actor_rollout_ref.actor.optim.use_distributed_optimizer actor_rollout_ref.actor.optim.weight_decay
 actor_rollout_ref.actor.ppo_epochs actor_rollout_ref.actor.ppo_max_token_len_per_gpu actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
 actor_rollout_ref.actor.ppo_mini_batch_size actor_rollout_ref.actor.use_dynamic_bsz actor_rollout_ref.actor.use_kl_loss
 actor_rollout_ref.model.build_tiny actor_rollout_ref.model.path
@@ -47,7 +48,8 @@ algorithm.kl_ctrl.target_kl algorithm.kl_ctrl.type algorithm.kl_penalty algorith
 algorithm.use_kl_in_reward
 critic.cliprange_value critic.loss_agg_mode critic.loss_scale_factor critic.optim.adam_beta1 critic.optim.adam_beta2
 critic.optim.adam_eps critic.optim.clip_grad critic.optim.lr critic.optim.lr_decay_steps critic.optim.lr_decay_style
-critic.optim.lr_warmup_init critic.optim.lr_warmup_steps critic.optim.min_lr critic.optim.weight_decay critic.ppo_epochs
+critic.optim.lr_warmup_init critic.optim.lr_warmup_steps critic.optim.min_lr critic.optim.use_distributed_optimizer
+critic.optim.weight_decay critic.ppo_epochs
 critic.ppo_micro_batch_size_per_gpu critic.ppo_mini_batch_size critic.ppo_max_token_len_per_gpu critic.use_dynamic_bsz
 custom_reward_function.name custom_reward_function.path custom_reward_function.reward_kwargs
 data.max_prompt_length data.max_response_length data.shuffle data.train_batch_size data.train_files

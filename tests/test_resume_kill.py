@@ -1,0 +1,151 @@
+"""End to end: a trainer killed with SIGKILL during step k+1 and started again with `trainer.resume_mode=auto`
+continues from checkpoint k: the actor's weights, Adam state (distributed-optimizer shards), LR scheduler, RNG and
+trainer state come back, the engines are synced from the restored actor before the rollout, and step k+1 runs.
+
+Real parts: `python -m recipe.main_ppo` processes on the cpu_tiny preset, the Megatron actor at TP=2 x DP=2 with the
+distributed optimizer (Adam state sharded over the DP ranks), one SGLang CPU engine on its own bundle, and the
+verl-style custom reward of tests/test_trainer_e2e.py (scores vary between samples, so the steps really train).
+k = 1; the kill comes once checkpoint 1 is marked complete and step 2's rollout has started (its progress bar on
+stderr), not after a guessed sleep.
+
+Not shown here: that the resumed step equals an uninterrupted run's bit for bit. The Megatron side is
+(tests/test_checkpoint.py, fresh processes, PP=2 x DP=2, distributed optimizer), but two fresh runs of the
+trainer already differ at step 1 on this CPU engine: SGLang samples from its scheduler's global generator in
+batch order, and its per-request `sampling_seed` needs `enable_deterministic_inference`, whose batch-invariant
+kernels need CUDA / XPU (README, checkpoint and resume).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from recipe import checkpoint
+from recipe.data import gsm8k
+from tests.test_trainer_e2e import CUSTOM_REWARD, RECORDS
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 2  # k + 1
+ROLLOUT_STARTS = "rollout:   0%"  # the agent loop's progress bar appearing: a rollout began
+MINI_BATCHES = 2  # data.train_batch_size 4 / ppo_mini_batch_size 2: optimizer steps per trainer step
+
+
+def _command(root: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "recipe.main_ppo", "--config-name", "cpu_tiny",
+            f"data.train_files=[{root / 'data' / 'train.parquet'}]", f"trainer.default_local_dir={out}",
+            f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", "trainer.resume_mode=auto",
+            "trainer.logger=[console,wandb]", f"custom_reward_function.path={root / 'reward.py'}",
+            "actor_rollout_ref.actor.optim.lr=1e-2", "actor_rollout_ref.actor.use_kl_loss=false",
+            "actor_rollout_ref.actor.optim.use_distributed_optimizer=true", "data.max_response_length=24",
+            "trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+            # the engine on a bundle of its own: in hybrid mode 4 "GPUs" would mean 4 CPU engines
+            "actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
+            "ray_init.num_cpus=4"]
+
+
+def _start(root: Path, out: Path, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with log.open("ab") as f:
+        return subprocess.Popen(_command(root, out), cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its Ray cluster and engine: one process group
+
+
+def _finish(proc: subprocess.Popen, log: Path) -> None:
+    rc = proc.wait(timeout=900)
+    assert rc == 0, f"trainer exited {rc}:\n" + log.read_text()[-4000:]
+
+
+def _reap_group(pgid: int, grace_s: float = 60.0) -> None:
+    """Wait for the killed trainer's process group (Ray head, workers, engine) to exit; SIGKILL what remains."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.5)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _step_metrics(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume_kill")
+    for split in gsm8k.SPLITS:
+        (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    gsm8k.preprocess(root / "data", root)
+    (root / "reward.py").write_text(CUSTOM_REWARD)
+    out, log = root / "out", root / "killed.log"
+    proc = _start(root, out, log)
+    try:
+        deadline = time.monotonic() + 900
+        while not (checkpoint.latest_step(out) == 1 and log.read_text(errors="replace").count(ROLLOUT_STARTS) >= 2):
+            assert proc.poll() is None, "the trainer exited before step 2:\n" + log.read_text()[-4000:]
+            assert time.monotonic() < deadline, "checkpoint 1 and step 2 never came"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        killed_rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        _reap_group(proc.pid)
+    after_kill = {"rc": killed_rc, "marker": checkpoint.latest_step(out),
+                  "steps": [m["step"] for m in _step_metrics(out)],
+                  "dirs": sorted(p.name for p in out.glob("global_step_*"))}
+    resumed_log = root / "resumed.log"
+    _finish(_start(root, out, resumed_log), resumed_log)
+    return {"out": out, "after_kill": after_kill, "resumed_log": resumed_log.read_text(errors="replace")}
+
+
+@pytest.mark.e2e
+def test_sigkill_during_step_2_then_auto_resume_continues_from_checkpoint_1(runs):
+    """Contract: killed during step 2 (checkpoint 1 complete, step 2 unfinished), the auto-resumed run restores
+    checkpoint 1 and runs step 2 only; its engine samples from the restored actor (version 1, log-probs equal the
+    actor's); checkpoint 2 holds every rank's Adam shard continued from checkpoint 1 (its step counts both trainer
+    steps), the scheduler's position and the trainer state under the killed run's wandb id."""
+    out = runs["out"]
+    assert runs["after_kill"] == {"rc": -signal.SIGKILL, "marker": 1, "steps": [1], "dirs": ["global_step_1"]}
+    assert f"resumed from {out / 'global_step_1'}: step 1, weight version 1" in runs["resumed_log"]
+    metrics = _step_metrics(out)
+    assert [m["step"] for m in metrics] == [1, 2]
+    step2 = metrics[1]
+    assert step2["rollout/weight_version_min"] == 1 and step2["trainer/weight_version"] == 2
+    assert step2["training/rollout_probs_diff_max"] < 1e-3  # the engine held the restored weights
+    assert step2["actor/grad_norm"] > 0 and step2["critic/advantages/max"] > 0  # the step really trained
+
+    actor = out / "global_step_2" / "actor"
+    shards = {p.name: torch.load(p, map_location="cpu", weights_only=False) for p in sorted(actor.glob("*.pt"))}
+    assert sorted(shards) == [f"rank_{r:05d}.pt" for r in range(4)]
+    coords = sorted(s["coords"] for s in shards.values())
+    assert coords == [(t, 0, d) for t in range(2) for d in range(2)]  # TP=2 x DP=2
+    for name, s in shards.items():
+        assert s["step"] == 2 * MINI_BATCHES and s["scheduler"]["num_steps"] == 2 * MINI_BATCHES, name
+        entries = [e for opt in s["optimizer_shards"] for gbuf, by_dtype in opt.items() if isinstance(gbuf, int)
+                   for buckets in by_dtype.values() for bucket in buckets for e in bucket]
+        assert entries and all(int(e["step"]) == 2 * MINI_BATCHES for e in entries), name  # Adam continued
+        assert all(e["exp_avg_sq"].abs().sum() > 0 for e in entries), name
+    # the DP ranks of one TP rank hold disjoint halves of its Adam state
+    for t in range(2):
+        sizes = [sum(e["exp_avg"].numel() for opt in s["optimizer_shards"] for g, by in opt.items()
+                     if isinstance(g, int) for bs in by.values() for b in bs for e in b)
+                 for s in shards.values() if s["coords"][0] == t]
+        params = sum(v.numel() for s in shards.values() if s["coords"] == (t, 0, 0) for k, v in s["model"].items()
+                     if torch.is_tensor(v) and not k.endswith("_extra_state"))
+        assert len(sizes) == 2 and sum(sizes) == params
+    state = checkpoint.TrainerState.read(out / "global_step_2")
+    assert (state.step, state.weight_version, state.batches_consumed) == (2, 2, 2)
+    assert state.wandb_run_id == checkpoint.TrainerState.read(out / "global_step_1").wandb_run_id is not None

@@ -143,7 +143,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="config + tokenizer source for a checkpoint without actor/huggingface/ (the run's "
                              "actor_rollout_ref.model.path)")
     args = parser.parse_args(argv)
-    cpu_compat.apply_cpu_compat()  # this process's start (the spawned ranks call it too)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     try:
         summary = export(args.checkpoint, args.out, args.hf_source)

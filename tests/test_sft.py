@@ -85,7 +85,8 @@ def test_sft_ids_and_masks_equal_the_rollouts(codec, tmp_path):
 @pytest.mark.unit
 def test_sft_rows_refused_or_cut_by_name(codec, tmp_path):
     """Contract: a row without an assistant turn, or longer than data.max_length under truncation=error, is refused
-    naming its file and row; truncation=right cuts the response end and keeps its mask."""
+    naming its file and row; truncation=right cuts the response end and keeps its mask; two assistant messages in a
+    row get the template's glue between them (the chat as the template renders it)."""
     long = [QUESTION, {"role": "assistant", "content": "five " * 40}]
     f = _write(tmp_path / "long.parquet", [{"messages": long}])
     with pytest.raises(ValueError, match=r"long\.parquet\[0\].*data.max_length=40"):
@@ -95,6 +96,11 @@ def test_sft_rows_refused_or_cut_by_name(codec, tmp_path):
     assert cut.total_length == 40 and cut.response_ids == full.response_ids[:len(cut.response_ids)]
     assert cut.response_mask == full.response_mask[:len(cut.response_ids)]
     cut.check_invariants()
+    twice = [QUESTION, {"role": "assistant", "content": "Let me think."}, {"role": "assistant", "content": "5"}]
+    both = SFTDataset([_write(tmp_path / "twice.parquet", [{"messages": twice}])], codec).items[0]
+    assert [s.role for s in both.turns] == ["assistant", "template", "assistant"]
+    assert codec.tokenizer.decode(both.prompt_ids + both.response_ids) == \
+        codec.tokenizer.apply_chat_template(twice, tokenize=False).rstrip("\n")
     with pytest.raises(ValueError, match=r"no_assistant\.parquet\[0\]: no assistant message"):
         SFTDataset([_write(tmp_path / "no_assistant.parquet", [{"messages": [QUESTION]}])], codec)
 

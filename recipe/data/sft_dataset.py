@@ -99,8 +99,8 @@ def encode_conversation(codec: ChatCodec, messages: list[dict[str, Any]], tools:
         if m["role"] != "assistant":
             pending.append(m)
             continue
-        if pending:
-            traj.append_context(codec.delta_ids(pending, stop), role=pending[0]["role"])
+        if stop is not None:  # the template's tokens between two assistant turns (only glue when nothing came between)
+            traj.append_context(codec.delta_ids(pending, stop), role=pending[0]["role"] if pending else "template")
             pending = []
         ids = codec.assistant_ids(m)
         traj.append_assistant(ids, [0.0] * len(ids), weight_version=0)

@@ -103,12 +103,13 @@ def encode_conversation(codec: ChatCodec, messages: list[dict[str, Any]], tools:
             traj.append_context(codec.delta_ids(pending, stop), role=pending[0]["role"] if pending else "template")
             pending = []
         ids = codec.assistant_ids(m)
-        traj.append_assistant(ids, [0.0] * len(ids), weight_version=0)
+        traj.append_assistant(ids, [0.0] * len(ids), weight_version=0)  # a demonstration: no sampling log-probs
         stop = ids[-1]
     return traj
 
 
 def _truncate(traj: Trajectory, max_length: int, truncation: str) -> Trajectory:
+    """`traj` within `max_length` tokens by `data.truncation` (error: refuse; right: cut the response end)."""
     excess = traj.total_length - max_length
     if excess <= 0:
         return traj

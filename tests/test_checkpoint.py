@@ -1,5 +1,5 @@
-"""Megatron's distributed optimizer on this machine, resume checkpoints (every Adam moment, sharded or not) and HF
-export of a Megatron actor group (real Megatron ranks on Ray)."""
+"""Megatron's distributed optimizer on this machine and resume checkpoints (every Adam moment, sharded or not) of a
+Megatron actor group (real Megatron ranks on Ray). HF export is tests/test_export_hf.py's."""
 from __future__ import annotations
 
 import sys
@@ -9,7 +9,7 @@ import torch
 
 from megatron_workers.actor import MegatronActor
 from tests.conftest import local_ray_cluster
-from tests.test_actor import build_actor, hf_log_probs, hf_weights, make_batch, ppo_batch, update
+from tests.test_actor import build_actor, hf_weights, ppo_batch, update
 
 
 @pytest.fixture(scope="module")
@@ -112,30 +112,3 @@ def test_resume_is_bit_identical_and_layout_checked(ray_cluster, tiny_model_dir,
         other.shutdown()
 
 
-@pytest.mark.integration
-def test_export_hf_loads_in_transformers_with_same_weights_and_log_probs(ray_cluster, tiny_model_dir, tmp_path):
-    """Contract: export_hf after an update writes a directory that transformers loads (model and
-    tokenizer) holding exactly the group's weights, whose log-probs equal the actor's."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from megatron_workers.worker_group import MegatronWorkerGroup, ParallelLayout, concat_results
-
-    out = tmp_path / "hf"
-    group = MegatronWorkerGroup(ParallelLayout(tp=2, pp=1), seed=1)
-    try:
-        build_actor(group, tiny_model_dir, **_train_cfg())
-        update(group, ppo_batch(tiny_model_dir, seed=5), mini_batch_size=8)
-        group.call_all("export_hf", str(out))
-        weights = hf_weights(group)
-        batch = make_batch(int(weights["model.embed_tokens.weight"].shape[0]), seed=8)
-        actor_lp = concat_results(group.dispatch("compute_log_prob", batch))["log_probs"]
-    finally:
-        group.shutdown()
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    loaded = model.state_dict()
-    for k, v in weights.items():
-        assert torch.equal(loaded[k], v), f"exported {k} differs from the group's weights"
-    tok = AutoTokenizer.from_pretrained(out)
-    assert tok("<|im_start|>user")["input_ids"] == AutoTokenizer.from_pretrained(tiny_model_dir)("<|im_start|>user")["input_ids"]
-    ref_lp, _ = hf_log_probs(out, batch)
-    torch.testing.assert_close(actor_lp, ref_lp, rtol=0, atol=1e-4)

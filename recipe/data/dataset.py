@@ -51,6 +51,23 @@ def read_parquet_rows(files: Sequence[str | Path]) -> list[tuple[str, dict[str, 
     return rows
 
 
+def epoch_batches(n_items: int, batch_size: int, *, seed: int = 0,
+                  shuffle: bool = True) -> Iterator[tuple[int, list[int]]]:
+    """Endless `(epoch, row positions)` batches over `n_items` rows: one shuffle per epoch seeded by
+    `seed + epoch`, the last partial batch of an epoch dropped."""
+    if batch_size > n_items:
+        raise ValueError(f"data.train_batch_size={batch_size} is larger than the dataset ({n_items} usable rows); "
+                         "lower it or add data")
+    epoch = 0
+    while True:
+        order = list(range(n_items))
+        if shuffle:
+            random.Random(seed + epoch).shuffle(order)
+        for start in range(0, n_items - batch_size + 1, batch_size):
+            yield epoch, order[start:start + batch_size]
+        epoch += 1
+
+
 class RLDataset:
     """Validated prompts of one or more parquet files, served as shuffled batches."""
 
@@ -117,16 +134,6 @@ class RLDataset:
 
         Each prompt gets a uid unique over the run (`e<epoch>/<position>`), its GRPO group id.
         """
-        if batch_size > len(self.items):
-            raise ValueError(f"data.train_batch_size={batch_size} is larger than the dataset ({len(self.items)} "
-                             "usable rows); lower it or add data")
-        epoch = 0
-        while True:
-            order = list(range(len(self.items)))
-            if shuffle:
-                random.Random(seed + epoch).shuffle(order)
-            for start in range(0, len(order) - batch_size + 1, batch_size):
-                chosen = order[start:start + batch_size]
-                yield PromptBatch(prompts=[dataclasses.replace(self.items[pos], uid=f"e{epoch}/{pos}") for pos in chosen],
-                                  epoch=epoch)
-            epoch += 1
+        for epoch, chosen in epoch_batches(len(self.items), batch_size, seed=seed, shuffle=shuffle):
+            yield PromptBatch(prompts=[dataclasses.replace(self.items[pos], uid=f"e{epoch}/{pos}") for pos in chosen],
+                              epoch=epoch)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from typing import Any
 import torch
 
 from recipe.batch import collate
-from recipe.data.dataset import read_parquet_rows
+from recipe.data.dataset import epoch_batches, read_parquet_rows
 from rollout.agent_loop import ChatCodec
 from rollout.trajectory import Trajectory
 
@@ -171,13 +170,5 @@ class SFTDataset:
 
     def batches(self, batch_size: int, *, seed: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         """Endless batches of `batch_size` conversations: one seeded shuffle per epoch, the last partial batch dropped."""
-        if batch_size > len(self.items):
-            raise ValueError(f"data.train_batch_size={batch_size} is larger than the dataset ({len(self.items)} rows); "
-                             "lower it or add data")
-        epoch = 0
-        while True:
-            order = list(range(len(self.items)))
-            random.Random(seed + epoch).shuffle(order)
-            for start in range(0, len(order) - batch_size + 1, batch_size):
-                yield self.collate([self.items[i] for i in order[start:start + batch_size]])
-            epoch += 1
+        for _, chosen in epoch_batches(len(self.items), batch_size, seed=seed):
+            yield self.collate([self.items[i] for i in chosen])

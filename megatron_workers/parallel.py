@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import datetime
 import logging
+import random
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from megatron.core import parallel_state, tensor_parallel
 
@@ -94,6 +96,8 @@ def init_distributed(
         pipeline_model_parallel_size=pp,
         distributed_timeout_minutes=timeout_minutes,
     )
+    random.seed(seed)  # every RNG a checkpoint holds starts from the seed, so two runs' checkpoints compare
+    np.random.seed(seed)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
     logger.info(

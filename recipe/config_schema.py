@@ -175,7 +175,8 @@ class TrainerConfig:
     validation_data_dir: str | None = None
     """The same per validation (`<step>.jsonl`, step 0 = before training); None: not written."""
     seed: int = 0
-    """Seed of the data order, the tiny model and the engines' sampling."""
+    """Seed of the data order, the tiny model and the engines' sampling (with actor_rollout_ref.rollout.deterministic,
+    of every trajectory's sampling seed)."""
     rollout_timeout_s: float | None = None
     """Wall-clock limit of one step's rollout: past it the agent loop is aborted and the step trains on what was
     sampled so far; None: no limit."""

@@ -101,7 +101,8 @@ def build_workers(cfg: PPOConfig, model_path: str, plan: PlacementPlan) -> Worke
         EngineClient.launch(model_path, name=f"engine{i}", ray_options=placement.engine_options(i), tp_size=e.tp,
                             base_gpu_id=e.base_gpu_id, dtype=r.dtype, mem_fraction_static=r.gpu_memory_utilization,
                             max_total_tokens=r.max_total_tokens, random_seed=cfg.trainer.seed + i, log_level="error",
-                            enable_memory_saver=plan.hybrid and placement.use_gpus)
+                            enable_memory_saver=plan.hybrid and placement.use_gpus,
+                            enable_deterministic_inference=r.deterministic)
         for i, e in enumerate(plan.engines)
     ]
     weight_sync = WeightSync(
@@ -152,7 +153,8 @@ def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Ite
     if val_prompts is not None:
         val_kwargs = cfg.actor_rollout_ref.rollout.val_kwargs
         validator = Validator(val_prompts, validation_loop(loop, tokenizer, val_kwargs), val_kwargs,
-                              RewardFn(cfg.reward, cfg.custom_reward_function), log_generations=t.log_val_generations)
+                              RewardFn(cfg.reward, cfg.custom_reward_function), log_generations=t.log_val_generations,
+                              seed=t.seed if cfg.actor_rollout_ref.rollout.deterministic else None)
     mfu = MFU.for_run(AutoConfig.from_pretrained(path), t.peak_tflops_per_gpu, t.n_gpus_per_node * t.nnodes)
     trainer = Trainer(cfg, workers, loop, tracker, validator=validator,
                       batches_per_epoch=len(dataset) // cfg.data.train_batch_size, mfu=mfu)

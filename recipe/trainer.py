@@ -96,9 +96,9 @@ def trainable(trajs: list[Trajectory], multiple: int) -> list[Trajectory]:
 
 
 async def rollout_with_timeout(agent_loop: AgentLoop, prompts: list[RolloutPrompt], timeout_s: float | None,
-                               greedy: bool = False) -> list[Trajectory]:
+                               greedy: bool = False, seed: int | None = None) -> list[Trajectory]:
     """`agent_loop.generate(prompts)`, aborted after `timeout_s` seconds (None: no limit); returns what was produced."""
-    task = asyncio.ensure_future(agent_loop.generate(prompts, greedy=greedy))
+    task = asyncio.ensure_future(agent_loop.generate(prompts, greedy=greedy, seed=seed))
     done, _ = await asyncio.wait({task}, timeout=timeout_s)
     if not done:
         logger.warning("the rollout ran past trainer.rollout_timeout_s=%s; aborting it and training on what it "
@@ -245,7 +245,7 @@ class Trainer:
         timer, algo = Timer(), self.cfg.algorithm
         with timer("step"):
             with timer("rollout"):
-                rolled = self._rollout(prompts.prompts)
+                rolled = self._rollout(prompts.prompts, seed=self._rollout_seed(step))
             rollout_m = {**rollout_metrics(rolled), **self.agent_loop.instance_metrics()}
             trajs = trainable(rolled, self.row_multiple)
             if not trajs:
@@ -313,9 +313,16 @@ class Trainer:
 
     # ---- pieces of a step ----------------------------------------------------------------
 
-    def _rollout(self, prompts: list[RolloutPrompt], greedy: bool = False) -> list[Trajectory]:
+    def _rollout(self, prompts: list[RolloutPrompt], greedy: bool = False, seed: int | None = None) -> list[Trajectory]:
         return self._loop.run_until_complete(
-            rollout_with_timeout(self.agent_loop, prompts, self.cfg.trainer.rollout_timeout_s, greedy=greedy))
+            rollout_with_timeout(self.agent_loop, prompts, self.cfg.trainer.rollout_timeout_s, greedy, seed))
+
+    def _rollout_seed(self, step: int) -> int | None:
+        """The agent loop's seed for step `step` (a function of trainer.seed and the step only, so a resumed run
+        samples what the uninterrupted one did); None unless rollout.deterministic."""
+        if not self.cfg.actor_rollout_ref.rollout.deterministic:
+            return None
+        return self.cfg.trainer.seed * 1_000_003 + step
 
     def _greedy_baselines(self, prompts: list[RolloutPrompt], trajs: list[Trajectory]) -> torch.Tensor:
         """(B,) ReMax baselines: each sample's prompt rolled out greedily, its weighted total reward."""

@@ -108,8 +108,9 @@ class Validator:
     """Rolls out and scores the validation prompts (all of them, every time)."""
 
     def __init__(self, prompts: list[RolloutPrompt], agent_loop: AgentLoop, val_kwargs: ValKwargsConfig,
-                 reward_fn: RewardFn, log_generations: int = 0):
+                 reward_fn: RewardFn, log_generations: int = 0, seed: int | None = None):
         self.prompts = prompts
+        self.seed = seed  # the same at every validation: each one samples with the same noise
         self.agent_loop = agent_loop
         self.greedy = not val_kwargs.do_sample
         self.n = 1 if self.greedy else val_kwargs.n
@@ -118,7 +119,7 @@ class Validator:
 
     async def run(self, step: int) -> ValResult:
         """Validate once; `step` is the training step it follows (0: before training)."""
-        trajs = await self.agent_loop.generate(self.prompts, greedy=self.greedy)
+        trajs = await self.agent_loop.generate(self.prompts, greedy=self.greedy, seed=self.seed)
         terms = self.reward_fn.terms(trajs)
         rewards = [float(r) for r in terms.totals(self.reward_fn.weights)]
         records = trajectory_records(trajs, terms, rewards, step)

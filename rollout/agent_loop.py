@@ -25,6 +25,7 @@ Where it departs from the textbook "render the chat, tokenize, generate" loop:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections import Counter
@@ -220,6 +221,7 @@ class AgentLoop:
         self._tasks: set[asyncio.Task] = set()
         self._aborted = False
         self._sampling: dict[str, Any] = {}  # the running `generate` call's sampling parameters
+        self._seed: int | None = None  # the running `generate` call's seed
 
     # ---- public API --------------------------------------------------------------------
 
@@ -232,14 +234,18 @@ class AgentLoop:
             if p.interaction_kwargs:
                 self.interactions.validate_sample(p.interaction_kwargs)
 
-    async def generate(self, prompts: list[RolloutPrompt], *, greedy: bool = False) -> list[Trajectory]:
+    async def generate(self, prompts: list[RolloutPrompt], *, greedy: bool = False,
+                       seed: int | None = None) -> list[Trajectory]:
         """Roll out every prompt `n` times concurrently; the trajectories in prompt order, `n` per prompt.
 
-        `greedy=True` rolls out each prompt once at temperature 0 (ReMax's baseline). Returns
-        when every trajectory has ended, or after `abort()` with what was produced so far.
+        `greedy=True` rolls out each prompt once at temperature 0 (ReMax's baseline). With a `seed`,
+        each trajectory samples with its own `sampling_seed(seed, uid)` (honoured by engines started
+        with SGLang's `enable_deterministic_inference`). Returns when every trajectory has ended, or
+        after `abort()` with what was produced so far.
         """
         self.validate(prompts)
         self._aborted = False
+        self._seed = seed
         c = self.config
         self._sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": -1} if greedy else \
             {"temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k}
@@ -404,6 +410,8 @@ class AgentLoop:
             "max_new_tokens": budget,
             "stop_token_ids": sorted(self.codec.stop_token_ids),
         }
+        if self._seed is not None:
+            params["sampling_seed"] = sampling_seed(self._seed, traj.uid)
         request_id = f"{traj.uid}#{traj.num_assistant_turns}"
         t0 = time.monotonic()
         try:
@@ -494,3 +502,9 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
     m["rollout/drift/count"] = float(len(drifted))
     m["rollout/drift/first_index_min"] = float(min(drifted)) if drifted else -1.0
     return m
+
+
+def sampling_seed(seed: int, uid: str) -> int:
+    """The SGLang `sampling_seed` of trajectory `uid` in a rollout seeded with `seed` (stable across runs)."""
+    digest = hashlib.blake2b(f"{seed}/{uid}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # non-negative int64

@@ -121,6 +121,11 @@ class RolloutConfig:
     update_weights_mode: str | None = None
     """Weight-sync path: "tensor" (hand-over on the engines' GPUs), "distributed" (broadcast over a process
     group), "disk" (HF checkpoint, the fallback); None: tensor with hybrid_engine, distributed without."""
+    deterministic: bool = False
+    """Reproducible rollouts: each trajectory samples with a seed of its own (from trainer.seed, the step and its
+    uid; SGLang's `sampling_seed`) on engines started with SGLang's `enable_deterministic_inference`, so its tokens
+    do not depend on the requests batched with it, and a resumed run repeats the uninterrupted one. Slower
+    (batch-invariant kernels on GPUs; row-by-row matrix products on CPU)."""
     check_weights: bool = False
     """After each sync, compare a checksum per tensor on both sides; a stale or corrupted tensor stops the run."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)

@@ -79,13 +79,15 @@ class FakeAgentLoop:
 
     def __init__(self, events: list[str], n: int) -> None:
         self.events, self.n = events, n
+        self.seeds: list[int | None] = []  # each generate call's seed
         self.tools = SimpleNamespace(aclose=self._noop)
 
     async def _noop(self) -> None:
         return None
 
-    async def generate(self, prompts, greedy: bool = False) -> list[Trajectory]:
+    async def generate(self, prompts, greedy: bool = False, seed: int | None = None) -> list[Trajectory]:
         self.events.append("rollout")
+        self.seeds.append(seed)
         trajs = []
         for p in prompts:
             for j in range(self.n):
@@ -171,3 +173,22 @@ def test_separate_placement_never_releases_engines_and_offload_off_never_moves_s
     assert phases(events) == ["rollout", "train", "sync v1"]
     trainer.close()
     assert events[-5:] == ["actor.shutdown", "ref.shutdown", "critic.shutdown", "engine0.shutdown", "engine1.shutdown"]
+
+
+@pytest.mark.unit
+def test_deterministic_rollouts_are_seeded_by_trainer_seed_and_step_only(tmp_path):
+    """Contract: with rollout.deterministic, each step's rollout gets a seed that depends on trainer.seed and the
+    step alone (so a resumed run samples what the uninterrupted one did); without it, no seed."""
+    def seeds(name: str, *overrides: str) -> list[int | None]:
+        (tmp_path / name).mkdir()
+        trainer, _ = make_trainer(tmp_path / name, list(overrides), colocated=False)
+        for step in (1, 2):
+            trainer.step(prompts(), step)
+        trainer.close()
+        return trainer.agent_loop.seeds
+
+    on = seeds("a", "actor_rollout_ref.rollout.deterministic=true", "trainer.seed=3")
+    assert on == seeds("b", "actor_rollout_ref.rollout.deterministic=true", "trainer.seed=3")
+    assert len(set(on)) == 2 and None not in on
+    assert set(on).isdisjoint(seeds("c", "actor_rollout_ref.rollout.deterministic=true", "trainer.seed=4"))
+    assert seeds("d", "trainer.seed=3") == [None, None]

@@ -21,7 +21,8 @@ actor_rollout_ref.actor.entropy_coeff actor_rollout_ref.actor.kl_loss_coef actor
 actor_rollout_ref.actor.loss_agg_mode actor_rollout_ref.actor.loss_scale_factor
 actor_rollout_ref.actor.megatron.pipeline_model_parallel_size actor_rollout_ref.actor.megatron.param_offload
 actor_rollout_ref.actor.megatron.grad_offload actor_rollout_ref.actor.megatron.optimizer_offload actor_rollout_ref.hybrid_engine
-actor_rollout_ref.rollout.update_weights_mode actor_rollout_ref.rollout.check_weights rollout.nnodes rollout.n_gpus_per_node
+actor_rollout_ref.rollout.update_weights_mode actor_rollout_ref.rollout.check_weights
+actor_rollout_ref.rollout.deterministic rollout.nnodes rollout.n_gpus_per_node
 actor_rollout_ref.actor.megatron.tensor_model_parallel_size
 actor_rollout_ref.actor.optim.adam_beta1 actor_rollout_ref.actor.optim.adam_beta2 actor_rollout_ref.actor.optim.adam_eps
 actor_rollout_ref.actor.optim.clip_grad actor_rollout_ref.actor.optim.lr actor_rollout_ref.actor.optim.lr_decay_steps

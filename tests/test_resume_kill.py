@@ -1,18 +1,13 @@
 """End to end: a trainer killed with SIGKILL during step k+1 and started again with `trainer.resume_mode=auto`
-continues from checkpoint k: the actor's weights, Adam state (distributed-optimizer shards), LR scheduler, RNG and
-trainer state come back, the engines are synced from the restored actor before the rollout, and step k+1 runs.
+continues from checkpoint k and ends exactly where an uninterrupted run ends: the same metrics and the same
+weights, Adam state and scheduler, bit for bit.
 
 Real parts: `python -m recipe.main_ppo` processes on the cpu_tiny preset, the Megatron actor at TP=2 x DP=2 with the
-distributed optimizer (Adam state sharded over the DP ranks), one SGLang CPU engine on its own bundle, and the
-verl-style custom reward of tests/test_trainer_e2e.py (scores vary between samples, so the steps really train).
-k = 1; the kill comes once checkpoint 1 is marked complete and step 2's rollout has started (its progress bar on
-stderr), not after a guessed sleep.
-
-Not shown here: that the resumed step equals an uninterrupted run's bit for bit. The Megatron side is
-(tests/test_checkpoint.py, fresh processes, PP=2 x DP=2, distributed optimizer), but two fresh runs of the
-trainer already differ at step 1 on this CPU engine: SGLang samples from its scheduler's global generator in
-batch order, and its per-request `sampling_seed` needs `enable_deterministic_inference`, whose batch-invariant
-kernels need CUDA / XPU (README, checkpoint and resume).
+distributed optimizer (Adam state sharded over the DP ranks), one SGLang CPU engine on its own bundle with
+reproducible rollouts (`actor_rollout_ref.rollout.deterministic`), and the verl-style custom reward of
+tests/test_trainer_e2e.py (scores vary between samples, so the steps really train). k = 1; the kill comes once
+checkpoint 1 is marked complete and step 2's rollout has started (its progress bar on stderr), not after a
+guessed sleep. The uninterrupted run also shows a checkpoint written after every step and `auto` picking the newest.
 """
 from __future__ import annotations
 
@@ -24,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -35,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS = 2  # k + 1
 ROLLOUT_STARTS = "rollout:   0%"  # the agent loop's progress bar appearing: a rollout began
 MINI_BATCHES = 2  # data.train_batch_size 4 / ppo_mini_batch_size 2: optimizer steps per trainer step
+WALL_CLOCK = ("timing/", "perf/", "weight_sync/seconds", "weight_sync/send_seconds", "weight_sync/peak_extra_mb")
 
 
 def _command(root: Path, out: Path) -> list[str]:
@@ -44,6 +41,7 @@ def _command(root: Path, out: Path) -> list[str]:
             "trainer.logger=[console,wandb]", f"custom_reward_function.path={root / 'reward.py'}",
             "actor_rollout_ref.actor.optim.lr=1e-2", "actor_rollout_ref.actor.use_kl_loss=false",
             "actor_rollout_ref.actor.optim.use_distributed_optimizer=true", "data.max_response_length=24",
+            "actor_rollout_ref.rollout.deterministic=true",
             "trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
             # the engine on a bundle of its own: in hybrid mode 4 "GPUs" would mean 4 CPU engines
             "actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
@@ -108,7 +106,10 @@ def runs(tmp_path_factory):
                   "dirs": sorted(p.name for p in out.glob("global_step_*"))}
     resumed_log = root / "resumed.log"
     _finish(_start(root, out, resumed_log), resumed_log)
-    return {"out": out, "after_kill": after_kill, "resumed_log": resumed_log.read_text(errors="replace")}
+    reference, reference_log = root / "uninterrupted", root / "uninterrupted.log"
+    _finish(_start(root, reference, reference_log), reference_log)
+    return {"out": out, "after_kill": after_kill, "resumed_log": resumed_log.read_text(errors="replace"),
+            "reference": reference}
 
 
 @pytest.mark.e2e
@@ -149,3 +150,56 @@ def test_sigkill_during_step_2_then_auto_resume_continues_from_checkpoint_1(runs
     state = checkpoint.TrainerState.read(out / "global_step_2")
     assert (state.step, state.weight_version, state.batches_consumed) == (2, 2, 2)
     assert state.wandb_run_id == checkpoint.TrainerState.read(out / "global_step_1").wandb_run_id is not None
+
+
+def _without_wall_clock(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not k.startswith(WALL_CLOCK)}
+
+
+def _differences(a, b, path: str = "") -> list[str]:
+    """Where two checkpoint objects differ (tensors bit for bit, the rest by ==)."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        same = torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+        return [] if same else [path]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{path} keys"]
+        return [d for k in a for d in _differences(a[k], b[k], f"{path}/{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{path} length"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):  # numpy's RNG state
+        return [] if np.array_equal(a, b) else [path]
+    return [] if a == b else [path]
+
+
+@pytest.mark.e2e
+def test_killed_and_resumed_run_equals_the_uninterrupted_run_bit_for_bit(runs):
+    """Contract: with rollout.deterministic, the run killed during step 2 and resumed logs the metrics of an
+    uninterrupted run for both steps (everything but wall-clock figures, bit for bit) and ends with the same
+    checkpoint: every rank's weights, Adam moments, main params, scheduler and RNG, and the same trainer state."""
+    ref = runs["reference"]
+    assert [_without_wall_clock(m) for m in _step_metrics(runs["out"])] == \
+        [_without_wall_clock(m) for m in _step_metrics(ref)]
+    for rank in range(4):
+        name = f"rank_{rank:05d}.pt"
+        resumed, uninterrupted = (torch.load(d / "global_step_2" / "actor" / name, map_location="cpu",
+                                             weights_only=False) for d in (runs["out"], ref))
+        assert _differences(resumed, uninterrupted) == [], name
+    states = [checkpoint.TrainerState.read(d / "global_step_2") for d in (runs["out"], ref)]
+    assert states[0].wandb_run_id != states[1].wandb_run_id  # two runs; all else equal
+    assert {**vars(states[0]), "wandb_run_id": None} == {**vars(states[1]), "wandb_run_id": None}
+
+
+@pytest.mark.e2e
+def test_uninterrupted_run_checkpoints_every_step_and_auto_picks_the_newest(runs):
+    """Contract: save_freq=1 writes global_step_<k> after each step, the marker names the newest, which auto resume
+    picks; the trainer state holds the step, the weight version, the sampler position and the wandb id."""
+    ref = runs["reference"]
+    assert sorted(p.name for p in ref.glob("global_step_*")) == ["global_step_1", "global_step_2"]
+    assert checkpoint.resume_dir("auto", ref, None) == ref / "global_step_2"
+    state = checkpoint.TrainerState.read(ref / "global_step_1")
+    assert (state.step, state.weight_version, state.batches_consumed) == (1, 1, 1)
+    assert state.wandb_run_id is not None and state.wandb_run_id == checkpoint.TrainerState.read(
+        ref / "global_step_2").wandb_run_id

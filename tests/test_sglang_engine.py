@@ -8,6 +8,7 @@ never called.
 from __future__ import annotations
 
 import asyncio
+import time
 import os
 import subprocess
 import sys
@@ -97,6 +98,22 @@ def test_abort_mid_generation(sglang_engine):
     assert len(aborted.output_ids) < 2000
     assert len(after.output_ids) == 4 and after.finish_reason == "length"
     assert sglang_engine.num_inflight == 0
+
+
+@pytest.mark.integration
+def test_idle_engine_leaves_the_cpu_to_the_trainer_and_wakes_for_a_request(sglang_engine):
+    """Contract: between rollouts the engine's processes sleep (SGLang's sleep_on_idle) instead of polling at 100%
+    of a core, which the trainer's ranks on the same machine need; a request still gets its answer right away."""
+    import psutil
+
+    procs = [psutil.Process(p.pid) for p in sglang_engine._procs]
+    time.sleep(1.0)  # whatever ran before has finished
+    before = sum(p.cpu_times().user + p.cpu_times().system for p in procs)
+    time.sleep(3.0)
+    used = sum(p.cpu_times().user + p.cpu_times().system for p in procs) - before
+    assert used < 0.75, f"idle engine processes used {used:.2f} CPU-seconds in 3 s"  # polling would take ~3
+    out = asyncio.run(sglang_engine.generate([9, 10, 11], {"max_new_tokens": 4, "temperature": 0.0}, "after-idle"))
+    assert len(out.output_ids) == 4
 
 
 @pytest.mark.integration

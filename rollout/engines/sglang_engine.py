@@ -49,6 +49,9 @@ class SGLangEngine:
 
     def __init__(self, model_path: str, *, name: str = "engine0", weight_version: int = 0, **engine_kwargs: Any):
         kwargs = sglang_cpu.engine_kwargs_for_this_machine(engine_kwargs)
+        # Between rollouts (the whole training phase) the scheduler would otherwise poll its sockets at 100% of a
+        # core, taken from the trainer's ranks; asleep, it still wakes the moment a request or control call arrives.
+        kwargs.setdefault("sleep_on_idle", True)
         kwargs["custom_weight_loader"] = [*(kwargs.get("custom_weight_loader") or []), weight_probe.LOADER]
         self._tp_size = int(kwargs.get("tp_size", 1))
         import sglang  # after the CPU adapter: the stand-ins must be on the path first

@@ -8,8 +8,9 @@ reserves ~15 GB, so `max_total_tokens` always gets a value. At `tp_size > 1` the
 threads are bound to disjoint cores (`SGLANG_CPU_OMP_THREADS_BIND`, "0|1" on two cores) and SGLang's
 NCCL library path points at a file that does not exist, so no rank tries to load NCCL.
 With `enable_deterministic_inference` (per-request sampling seeds, `rollout.deterministic`), `torch_native` is
-admitted as a deterministic attention backend and `sglang_plugin` (SGLang's general plug-in hook, declared in
-pyproject.toml) keeps the scheduler from installing SGLang's batch-invariant kernels, which need CUDA / XPU.
+admitted as a deterministic attention backend, and `sglang_plugin` (SGLang's general plug-in hook, declared in
+pyproject.toml) gives the scheduler what SGLang's deterministic mode lacks on CPU: the seeded sampler's hash op
+and a batch-invariant mode in place of SGLang's Triton kernels.
 `skips_memory_release` tells the engine client that memory release / resume must be skipped:
 the CPU engine has no device memory to give back, and SGLang's release path calls
 `torch.cuda.synchronize()`, which kills the scheduler without a GPU.
@@ -63,17 +64,16 @@ def engine_kwargs_for_this_machine(engine_kwargs: dict[str, Any]) -> dict[str, A
 def sglang_plugin() -> None:
     """SGLang general plug-in (entry point group `sglang.srt.plugins`), run by SGLang in each of its processes.
 
-    Acts only in an engine this module adapted to CPU: there, deterministic inference keeps its per-request
-    seeded sampling but not SGLang's batch-invariant matmul kernels (Triton, CUDA / XPU only). On CPU the
-    torch_native attention runs per request, and tests/test_deterministic_rollout.py checks that a request's
-    tokens and log-probs do not depend on the batch it shares.
+    Acts only in an engine this module adapted to CPU: it defines the hash op of SGLang's seeded sampling and
+    replaces SGLang's batch-invariant mode (Triton kernels, CUDA / XPU only) with `_cpu_batch_invariant_mode`.
+    tests/test_deterministic_rollout.py checks that a request's tokens and log-probs then do not depend on the
+    batch it shares.
     """
     if os.environ.get(CPU_ENGINE_ENV) != "1":
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     _define_murmur_hash32_cpu()
-
     HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.maybe_enable_batch_invariant_mode",
                           _cpu_batch_invariant_mode, HookType.REPLACE)
 

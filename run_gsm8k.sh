@@ -60,7 +60,7 @@ python -m recipe.tiny_model --out "$RUN_DIR/base_model" --seed "$SEED" --layers 
 python -m recipe.main_sft "data.train_files=[$RUN_DIR/data/sft.parquet]" "model.partial_pretrain=$RUN_DIR/base_model" \
   "trainer.default_local_dir=$RUN_DIR/sft" "trainer.total_training_steps=$SFT_STEPS" data.train_batch_size=16 \
   data.micro_batch_size_per_gpu=16 data.max_length=256 optim.lr=1e-3 optim.min_lr=5e-5 "optim.lr_warmup_steps=$(( SFT_STEPS / 40 ))" \
-  optim.lr_decay_style=cosine "optim.lr_decay_steps=$SFT_STEPS" optim.weight_decay=0.0 ray_init.num_cpus=2 "seed=$SEED"
+  optim.lr_decay_style=cosine "optim.lr_decay_steps=$SFT_STEPS" optim.weight_decay=0.0 megatron.dtype=float32 ray_init.num_cpus=2 "seed=$SEED"
 python -m recipe.main_ppo --config-name cpu_learn "data.train_files=[$RUN_DIR/data/train.parquet]" \
   "data.val_files=[$RUN_DIR/data/test.parquet]" "actor_rollout_ref.model.path=$RUN_DIR/sft/hf" \
   "trainer.default_local_dir=$RUN_DIR/rl" "trainer.validation_data_dir=$RUN_DIR/rl/validation" \

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+DTYPES = ("bfloat16", "float32")
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 
 
@@ -66,11 +67,16 @@ class MegatronConfig:
     """Keep the gradient buffers in CPU memory outside the training phase."""
     optimizer_offload: bool = False
     """Keep the optimizer states in CPU memory outside the training phase."""
+    dtype: str = "bfloat16"
+    """Parameter and activation dtype (verl's key): bfloat16 (mixed precision: fp32 main params, Adam moments and
+    gradient reduction in the optimizer; log-softmax, log-probs and losses in fp32) or float32."""
 
     def __post_init__(self) -> None:
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} is {getattr(self, key)}; it must be >= 1")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype is {self.dtype!r}; use one of {DTYPES}")
 
 
 @dataclass
@@ -89,11 +95,20 @@ class WorkerConfig:
     """Token budget of one dynamic micro-batch: rows x padded window length."""
     ppo_epochs: int = 1
     """Passes over each step's batch."""
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Samples per forward-only pass (log-probs, values) on one rank; None: ppo_micro_batch_size_per_gpu."""
+    log_prob_use_dynamic_bsz: bool | None = None
+    """Pack forward-only micro-batches by token count; None: use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: int | None = None
+    """Token budget of one dynamic forward-only micro-batch; None: ppo_max_token_len_per_gpu."""
 
     def __post_init__(self) -> None:
         for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu", "ppo_epochs"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} is {getattr(self, key)}; it must be >= 1")
+        for key in ("log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ValueError(f"{key} is {getattr(self, key)}; it must be >= 1 (or null)")
 
 
 @dataclass

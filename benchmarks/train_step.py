@@ -96,11 +96,12 @@ def run(model_dir: Path, batch: dict[str, torch.Tensor], repeats: int, threads: 
     import ray
 
     from megatron_workers.actor import MegatronActor
-    from megatron_workers.config import ActorConfig, OptimConfig
+    from megatron_workers.config import ActorConfig, MegatronConfig, OptimConfig
     from megatron_workers.worker_group import MegatronWorkerGroup, ParallelLayout
 
     B = batch["input_ids"].shape[0]
-    cfg = ActorConfig(ppo_micro_batch_size_per_gpu=B, optim=OptimConfig(lr=1e-5, clip_grad=1.0))
+    cfg = ActorConfig(ppo_micro_batch_size_per_gpu=B, optim=OptimConfig(lr=1e-5, clip_grad=1.0),
+                      megatron=MegatronConfig(dtype="float32"))  # the same precision as the plain PyTorch step
     ray.init(num_cpus=max(threads, 1), include_dashboard=False, log_to_driver=False)
     try:
         # Both thread pools: the group's CPU default (1) for MKL would leave its matmuls single-threaded.

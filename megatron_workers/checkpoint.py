@@ -22,6 +22,8 @@ checkpoint, which transformers' `from_pretrained` and SGLang's `Engine` load.
 """
 from __future__ import annotations
 
+import copy
+
 import json
 import logging
 import random
@@ -179,20 +181,24 @@ def load_rank(path: str | Path, module: torch.nn.Module, optimizer: Any, schedul
     return int(state["step"])
 
 
-def export_hf(path: str | Path, module: torch.nn.Module, hf_config: Any, source_dir: Optional[str | Path]) -> None:
-    """Write an HF checkpoint dir from the sharded model (collective; rank 0 writes).
+def export_hf(path: str | Path, module: torch.nn.Module, hf_config: Any, source_dir: Optional[str | Path],
+              dtype: torch.dtype) -> None:
+    """Write an HF checkpoint dir from the sharded model in `dtype` (collective; rank 0 writes).
 
-    `config.json` comes from `hf_config`, `model.safetensors` from the gathered weights, and
-    the tokenizer files present in `source_dir` are copied alongside.
+    `config.json` comes from `hf_config` (its `dtype` set to `dtype`), `model.safetensors` from the gathered
+    weights cast to `dtype`, and the tokenizer files present in `source_dir` are copied alongside.
     """
     from safetensors.torch import save_file
 
     state = mmodel.export_hf_state_dict(module, hf_config, dst_rank=0)
     if state is not None:
         path = Path(path)
+        hf_config = copy.deepcopy(hf_config)
+        hf_config.dtype = dtype
         save_hf_files(path, hf_config, source_dir)
-        save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
-        logger.info("exported %d tensors to %s", len(state), path)
+        save_file({k: v.to(dtype).contiguous() for k, v in state.items()}, str(path / "model.safetensors"),
+                  metadata={"format": "pt"})
+        logger.info("exported %d tensors to %s (%s)", len(state), path, dtype)
     torch.distributed.barrier()
 
 

@@ -85,6 +85,8 @@ class WorkerConfig:
 
     optim: OptimConfig | None = field(default_factory=OptimConfig)
     """Optimizer and LR schedule; None builds a forward-only rank (the reference policy)."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallel layout, dtype and offload of this role's ranks."""
     ppo_mini_batch_size: int = 64
     """Prompts per optimizer step, before x rollout.n (verl's meaning); the trainer splits the batch by it."""
     ppo_micro_batch_size_per_gpu: int = 4
@@ -113,7 +115,4 @@ class WorkerConfig:
 
 @dataclass
 class ActorConfig(WorkerConfig):
-    """A policy (or reference) rank: a WorkerConfig plus the parallel layout."""
-
-    megatron: MegatronConfig = field(default_factory=MegatronConfig)
-    """Tensor / pipeline parallel sizes."""
+    """A policy (or reference) rank's config: a WorkerConfig, under `actor_rollout_ref.actor.*`."""

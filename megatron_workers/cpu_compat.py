@@ -27,10 +27,11 @@ session), before importing megatron. Measured against megatron-core 0.16.1 and t
 - `clip_grad_by_total_norm_fp32` asserts `torch.cuda.FloatTensor` grads; the optimizer gets a
   version with the same math (scale every grad by max_norm / (total_norm + 1e-6) when below 1)
   that accepts CPU grads.
-- Megatron's distributed optimizer sorts the parameters it shards by `param.type()`, accepting only
-  the `torch.cuda.*Tensor` names (a CPU parameter is a TypeError). While `DistributedOptimizer` is
-  constructed (only then), `Tensor.type()` without arguments answers the CUDA name of a CPU
-  tensor's type; its sharding and its gloo reduce-scatter / all-gather then run unchanged.
+- Megatron's distributed optimizer and its mixed-precision (bf16) optimizer sort the parameters
+  they wrap by `param.type()`, accepting only the `torch.cuda.*Tensor` names (a CPU parameter is a
+  TypeError). While `DistributedOptimizer` or `Float16OptimizerWithFloat16Params` is constructed
+  (only then), `Tensor.type()` without arguments answers the CUDA name of a CPU tensor's type;
+  their sharding, fp32 main params and gloo reduce-scatter / all-gather then run unchanged.
 
 With a GPU present, `apply_cpu_compat()` changes nothing and answers "nccl".
 """
@@ -148,10 +149,12 @@ def _adapt_module(module: types.ModuleType) -> None:
         module.torch = _torch_view_on_cpu()
     if module.__name__ == _OPTIMIZER_MODULE:
         module.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
-    if module.__name__ == _DISTRIB_OPTIMIZER_MODULE and not getattr(module.DistributedOptimizer.__init__, _MARK, False):
-        init = _cuda_type_names(module.DistributedOptimizer.__init__)
+    wrapped = {_DISTRIB_OPTIMIZER_MODULE: "DistributedOptimizer", _OPTIMIZER_MODULE: "Float16OptimizerWithFloat16Params"}
+    cls = getattr(module, wrapped.get(module.__name__, ""), None)
+    if cls is not None and not getattr(cls.__init__, _MARK, False):
+        init = _cuda_type_names(cls.__init__)
         setattr(init, _MARK, True)
-        module.DistributedOptimizer.__init__ = init
+        cls.__init__ = init
 
 
 class _AdaptingLoader(importlib.abc.Loader):

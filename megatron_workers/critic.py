@@ -26,7 +26,7 @@ import torch
 
 from megatron.core import parallel_state as mpu
 
-from megatron_workers.actor import Batch, LossFn, MegatronRunner, MicroBatch, validate_batch
+from megatron_workers.runner import Batch, LossFn, MegatronRunner, MicroBatch, validate_batch
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +66,8 @@ class MegatronCritic(MegatronRunner):
             ).to(device=device, dtype=module.config.params_dtype)
         return module
 
-    def _head(self, mb: MicroBatch, output: torch.Tensor) -> dict[str, torch.Tensor]:
-        values, _, kept = self._response_slice(mb, output)  # (b, T', 1)
+    def _head(self, mb: MicroBatch, dev: Batch, output: torch.Tensor) -> dict[str, torch.Tensor]:
+        values, _, kept = self._response_slice(mb, dev, output)  # (b, T', 1)
         return {"values": values.squeeze(-1).float(), "kept": kept}
 
     def compute_values(self, batch: Batch) -> Batch:

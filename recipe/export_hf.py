@@ -1,17 +1,17 @@
 """Export a trainer checkpoint to an HF directory that transformers and SGLang load.
 
-    python -m recipe.export_hf <checkpoint> <out dir> [--hf-source DIR]
+    python -m recipe.export_hf <checkpoint> <out dir> [--hf-source DIR] [--dtype bfloat16|float32]
 
 `<checkpoint>` is a `global_step_<k>` directory, or a run's `trainer.default_local_dir` (then the newest
 complete checkpoint, the one its `latest_checkpointed_iteration.txt` names). The actor's shards, saved in the
 run's TP x PP x DP layout (megatron_workers.checkpoint), are loaded into TP x PP fresh Megatron ranks (one
 spawned process each, gloo on a CPU machine); data-parallel ranks hold identical weights, so DP rank 0's shards
 are the ones read. The ranks then write the export with the same conversion the actor's own `export_hf` and the
-weight sync use (megatron_workers.model): `config.json`, `model.safetensors` (in the trained parameters' dtype)
+weight sync use (megatron_workers.model): `config.json`, `model.safetensors` (in `--dtype`, default bfloat16)
 and the tokenizer files. Config and tokenizer come from the checkpoint's `actor/huggingface/` (the actor saves
 them there), or from `--hf-source` (the run's `actor_rollout_ref.model.path`) for a checkpoint without them.
 
-The last stdout line is JSON: {"checkpoint", "step" (the trainer's), "out", "tp", "pp", "dp", "tensors"}.
+The last stdout line is JSON: {"checkpoint", "step" (the trainer's), "out", "tp", "pp", "dp", "tensors", "dtype"}.
 
 Where it departs from verl's model merger: there is no second converter (no name mapping of its own), and the
 optimizer state is not read, only each shard's model weights (memory-mapped).
@@ -96,7 +96,7 @@ def hf_source(ckpt: Path, given: str | Path | None) -> Path:
     return source
 
 
-def _rank(rank: int, world_size: int, port: int, shards: ActorShards, source: str, out: str) -> None:
+def _rank(rank: int, world_size: int, port: int, shards: ActorShards, source: str, out: str, dtype: str) -> None:
     """One Megatron rank: build the model stage, load DP rank 0's weights for this (tp, pp), export (rank 0 writes)."""
     backend = cpu_compat.apply_cpu_compat()  # this spawned process's start, before megatron is imported
     from megatron.core import parallel_state as mpu
@@ -114,24 +114,27 @@ def _rank(rank: int, world_size: int, port: int, shards: ActorShards, source: st
         state = torch.load(shards.files[coords], map_location="cpu", mmap=True, weights_only=False)["model"]
         module.load_state_dict(state, strict=True)
         del state
-        mckpt.export_hf(out, module, hf_config, source)
+        mckpt.export_hf(out, module, hf_config, source, getattr(torch, dtype))
     finally:
         parallel.destroy()
 
 
-def export(checkpoint_path: str | Path, out: str | Path, hf_source_dir: str | Path | None = None) -> dict:
-    """Export the actor of `checkpoint_path` (see the module docstring) into `out`; returns the summary line's dict."""
+def export(checkpoint_path: str | Path, out: str | Path, hf_source_dir: str | Path | None = None,
+           dtype: str = "bfloat16") -> dict:
+    """Export the actor of `checkpoint_path` (see the module docstring) into `out` with weights in `dtype`
+    ("bfloat16" or "float32"; the shards load into fp32 ranks, so either is exact up to the cast); returns the
+    summary line's dict."""
     ckpt = find_checkpoint(checkpoint_path)
     step = checkpoint.TrainerState.read(ckpt).step
     shards = actor_shards(ckpt)
     source = hf_source(ckpt, hf_source_dir)
     out = Path(out).resolve()
     world_size = shards.tp * shards.pp
-    mp.spawn(_rank, args=(world_size, free_port(), shards, str(source), str(out)), nprocs=world_size, join=True)
+    mp.spawn(_rank, args=(world_size, free_port(), shards, str(source), str(out), dtype), nprocs=world_size, join=True)
     with safe_open(out / "model.safetensors", framework="pt") as f:
         tensors = len(f.keys())
     return {"checkpoint": str(ckpt), "step": step, "out": str(out), "tp": shards.tp, "pp": shards.pp, "dp": shards.dp,
-            "tensors": tensors}
+            "tensors": tensors, "dtype": dtype}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,10 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-source", default=None,
                         help="config + tokenizer source for a checkpoint without actor/huggingface/ (the run's "
                              "actor_rollout_ref.model.path)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="dtype of the written weights (default bfloat16)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     try:
-        summary = export(args.checkpoint, args.out, args.hf_source)
+        summary = export(args.checkpoint, args.out, args.hf_source, args.dtype)
     except (FileNotFoundError, ValueError, mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
         logger.error("export failed: %s", exc)
         return 2

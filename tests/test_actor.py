@@ -147,7 +147,7 @@ def test_logprobs_entropy_vocab_parallel_tp2_equals_full_vocab():
 def test_validate_batch_refusals_name_the_sample():
     """Contract: shape disagreement, an empty response, NaN advantages/rewards and responses that are
     not the sequence's tail are refused with an error naming the key or sample index."""
-    from megatron_workers.actor import validate_batch
+    from megatron_workers.runner import validate_batch
 
     base = make_batch(vocab=50, seed=1)
     validate_batch(base)
@@ -174,7 +174,7 @@ def test_validate_batch_refusals_name_the_sample():
 def test_dynamic_micro_batches_respect_token_budget_and_cover_every_row():
     """Contract: dynamic micro-batches hold every row once and stay within ppo_max_token_len_per_gpu
     (rows x padding-window length), and the window keeps every real token."""
-    from megatron_workers.actor import split_micro_batches
+    from megatron_workers.runner import split_micro_batches
     from megatron_workers.config import ActorConfig
 
     batch = make_batch(vocab=50, seed=2, B=16)
@@ -218,13 +218,15 @@ def groups(ray_cluster):
 
 
 def build_actor(group, model_dir: Path, role_cls=None, **cfg_kwargs) -> None:
-    """(Re)build a MegatronActor (or `role_cls`) from `model_dir` on every rank of `group`."""
+    """(Re)build a MegatronActor (or `role_cls`) from `model_dir` on every rank of `group` (fp32 unless
+    `megatron=` says otherwise)."""
     import functools
 
     from megatron_workers.actor import MegatronActor
-    from megatron_workers.config import ActorConfig, OptimConfig
+    from megatron_workers.config import ActorConfig, MegatronConfig, OptimConfig
 
     optim = cfg_kwargs.pop("optim", OptimConfig(lr=1e-3, adam_eps=1e-4, clip_grad=1.0))
+    cfg_kwargs.setdefault("megatron", MegatronConfig(dtype="float32"))  # parity with transformers in fp32
     cfg = ActorConfig(optim=optim, **cfg_kwargs)
     group.build(functools.partial(role_cls or MegatronActor, str(model_dir), cfg))
 

@@ -51,7 +51,7 @@ def exported(tmp_path_factory, tiny_model_dir):
             checkpoint.save(run_dir, 1, write)
         finally:
             group.shutdown()
-    proc = subprocess.run([sys.executable, "-m", "recipe.export_hf", str(run_dir), str(out)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "recipe.export_hf", str(run_dir), str(out), "--dtype", "float32"], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {"out": out, "summary": json.loads(proc.stdout.strip().splitlines()[-1]), "weights": weights,

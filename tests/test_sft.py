@@ -179,7 +179,7 @@ def test_main_sft_trains_megatron_and_exports_an_hf_dir(tiny_model_dir, codec, t
     cmd = [sys.executable, "-m", "recipe.main_sft", f"data.train_files=[{data}]",
            f"model.partial_pretrain={tiny_model_dir}", f"trainer.default_local_dir={out}",
            "trainer.total_training_steps=3", "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2",
-           "optim.lr=1e-3", "optim.weight_decay=0.0", "seed=1", "ray_init.num_cpus=2", f"hydra.run.dir={tmp_path}/hydra",
+           "optim.lr=1e-3", "optim.weight_decay=0.0", "megatron.dtype=float32", "seed=1", "ray_init.num_cpus=2", f"hydra.run.dir={tmp_path}/hydra",
            f"data.val_files=[{data}]"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     bad = subprocess.run(cmd + ["data.truncation=left"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

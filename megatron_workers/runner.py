@@ -1,0 +1,534 @@
+"""The per-rank Megatron runner shared by actor, reference and critic: micro-batches, the device seam,
+the pipeline schedule, the optimizer step, offload / onload and checkpoints.
+
+`MegatronRunner` lives inside one Ray actor per rank (see `worker_group.py`) and holds this
+rank's shard of a GPTModel built from an HF checkpoint (`model.py`); `actor.py` and `critic.py`
+add the heads. Batch layout (verl's): `input_ids`, `attention_mask`, `position_ids` are `(B, S)`;
+`responses`, `response_mask` are `(B, T)` and the response is the last `T` columns of the
+sequence (prompt left-padded, response right-padded). `response_mask` is 1 on tokens the
+policy sampled, 0 on tool / user / template tokens and padding.
+
+Where it departs from the textbook training loop:
+
+- The device seam: batches arrive on the host; each micro-batch goes to the device once, whole
+  (its window of columns), where its forward step starts (`device_check.to_device`), and the
+  head's results come back to the host once (`device_check.to_host`). Nothing else crosses.
+  `tests/test_device_seam.py` checks this on a CPU, where a mixed op would otherwise pass.
+- Precision (`megatron.dtype`): bfloat16 parameters and activations with Megatron's mixed-precision
+  optimizer (fp32 main params and Adam moments, gradients accumulated and reduced in fp32), or
+  float32 throughout. Log-softmax, log-probs, values and losses are computed in fp32 either way.
+- Loss aggregation is the caller's. `_train(batch, loss_fn, ...)` calls `loss_fn(mb) -> (loss, metrics)`
+  once per micro-batch with the head's outputs (with grad), the batch's own tensors for those rows
+  (on the device) and the ints `global_token_count` / `global_seq_count` (response tokens / samples
+  of the whole mini-batch over all micro-batches and DP ranks). The returned loss is that
+  micro-batch's *contribution*: the sum over micro-batches and DP ranks is the mini-batch loss.
+  Megatron's schedule divides by the number of micro-batches and its DDP averages over DP ranks by
+  default; here both are switched to summing (`calculate_per_token_loss=True` and a
+  `finalize_model_grads` that does not rescale), so any `loss_agg_mode` is exact for any
+  micro-batch count, dynamic batching and DP size. `metrics` values follow the same rule
+  (summed over micro-batches and DP ranks, then averaged over mini-batches).
+- Micro-batches are cut to their own padding window (columns that hold a real token in at
+  least one row), so dynamic batching by token count (`use_dynamic_bsz`) saves compute on a
+  padded layout; pipeline stages then exchange variable shapes (`variable_seq_lengths`). The
+  forward-only passes have their own sizes (`log_prob_micro_batch_size_per_gpu`,
+  `log_prob_use_dynamic_bsz`, `log_prob_max_token_len_per_gpu`).
+- A non-finite gradient anywhere refuses the optimizer step with an error naming the
+  mini-batch, instead of writing NaN into the weights; bad input is refused before any
+  forward, naming the sample.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from megatron.core import parallel_state as mpu
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import unwrap_model
+
+from megatron_workers import checkpoint, device_check, model as mmodel
+from megatron_workers.config import OptimConfig, WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[dict[str, Any]], tuple[torch.Tensor, dict[str, Any]]]
+
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")  # (B, S)
+RESPONSE_KEYS = ("responses", "response_mask")  # (B, T)
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checks and micro-batching (pure tensor code, also used on the driver)
+# ---------------------------------------------------------------------------------------------
+
+
+def validate_batch(batch: Batch, offset: int = 0) -> None:
+    """Refuse a malformed batch; errors name the key and the sample index (`offset` + row).
+
+    Checks: all layout keys present with the shapes above; `responses` equal the last `T`
+    ids of `input_ids` where sampled; every response has at least one sampled token and a
+    prompt token before it; no float tensor (advantages, rewards, old log-probs...) holds NaN/inf.
+    """
+    missing = [k for k in (*SEQUENCE_KEYS, *RESPONSE_KEYS) if k not in batch]
+    if missing:
+        raise ValueError(f"batch lacks {missing}; it needs {SEQUENCE_KEYS + RESPONSE_KEYS}")
+    B, S = batch["input_ids"].shape
+    T = batch["responses"].shape[1] if batch["responses"].dim() == 2 else -1
+    expected = {**{k: (B, S) for k in SEQUENCE_KEYS}, **{k: (B, T) for k in RESPONSE_KEYS}}
+    for k, v in batch.items():
+        want = expected.get(k)
+        if want is not None and tuple(v.shape) != want:
+            raise ValueError(f"batch[{k!r}] has shape {tuple(v.shape)}, expected {want} (input_ids is {(B, S)})")
+        if want is None and v.dim() >= 1 and v.shape[0] != B:
+            raise ValueError(f"batch[{k!r}] has {v.shape[0]} rows, input_ids has {B}")
+    if T > S:
+        raise ValueError(f"responses are longer ({T}) than the sequences ({S})")
+    resp_mask = batch["response_mask"]
+    mismatch = ((batch["input_ids"][:, S - T:] != batch["responses"]) & (resp_mask > 0)).any(dim=1)
+    if mismatch.any():
+        i = int(mismatch.nonzero()[0])
+        raise ValueError(
+            f"sample {offset + i}: responses differ from the last {T} input_ids on masked tokens; "
+            "the response must be the right end of the sequence (prompt left-padded, response right-padded)"
+        )
+    empty = resp_mask.sum(dim=1) == 0
+    if empty.any():
+        i = int(empty.nonzero()[0])
+        raise ValueError(f"sample {offset + i}: empty response (response_mask is all 0); drop it from the batch")
+    no_prompt = batch["attention_mask"][:, S - T - 1] == 0 if T < S else torch.ones(B, dtype=torch.bool)
+    if no_prompt.any():
+        i = int(no_prompt.nonzero()[0])
+        raise ValueError(f"sample {offset + i}: no prompt token right before the response (attention_mask is 0 there)")
+    for k, v in batch.items():
+        if v.is_floating_point():
+            bad = ~torch.isfinite(v.reshape(B, -1)).all(dim=1)
+            if bad.any():
+                i = int(bad.nonzero()[0])
+                raise ValueError(f"sample {offset + i}: batch[{k!r}] holds NaN or inf")
+
+
+@dataclass
+class MicroBatch:
+    """Rows of a batch, cut to the columns [lo, hi) where at least one row has a real token."""
+
+    rows: torch.Tensor  # (b,) indices into the parent batch
+    lo: int  # first kept column of the (B, S) sequence
+    hi: int  # one past the last kept column
+    tensors: Batch  # parent tensors restricted to `rows` (full columns)
+    resp_len: int  # T of the parent batch
+    seq_len: int  # S of the parent batch
+
+    @property
+    def tokens(self) -> int:
+        return len(self.rows) * (self.hi - self.lo)
+
+    def window(self) -> Batch:
+        """What goes to the device: the sequence keys cut to columns [lo, hi) `(b, s)`, the rest as they are."""
+        return {k: v[:, self.lo:self.hi] if k in SEQUENCE_KEYS else v for k, v in self.tensors.items()}
+
+
+def _window(attention_mask: torch.Tensor, resp_len: int) -> tuple[int, int]:
+    """Columns [lo, hi) of `attention_mask` (b, S) holding a real token in some row, widened to
+    keep the last prompt column and the first response column."""
+    S = attention_mask.shape[1]
+    cols = attention_mask.bool().any(dim=0).nonzero().flatten()
+    lo = min(int(cols[0]), S - resp_len - 1)
+    hi = max(int(cols[-1]) + 1, S - resp_len + 1)
+    return lo, hi
+
+
+def _make_micro_batch(batch: Batch, rows: torch.Tensor) -> MicroBatch:
+    S, T = batch["input_ids"].shape[1], batch["responses"].shape[1]
+    tensors = {k: v.index_select(0, rows) for k, v in batch.items()}
+    lo, hi = _window(tensors["attention_mask"], T)
+    return MicroBatch(rows=rows, lo=lo, hi=hi, tensors=tensors, resp_len=T, seq_len=S)
+
+
+def split_micro_batches(batch: Batch, cfg: WorkerConfig, forward_only: bool = False) -> list[MicroBatch]:
+    """Fixed-size micro-batches in order, or (use_dynamic_bsz) packs of rows sorted by length
+    whose `rows * window length` stays within `ppo_max_token_len_per_gpu` (a longer single row gets its own).
+    `forward_only` passes (log-probs, values) use the `log_prob_*` sizes where they are set."""
+    B = batch["input_ids"].shape[0]
+    size, dynamic, max_tokens = cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
+    if forward_only:
+        size = cfg.log_prob_micro_batch_size_per_gpu or size
+        dynamic = dynamic if cfg.log_prob_use_dynamic_bsz is None else cfg.log_prob_use_dynamic_bsz
+        max_tokens = cfg.log_prob_max_token_len_per_gpu or max_tokens
+    if not dynamic:
+        return [_make_micro_batch(batch, torch.arange(i, min(i + size, B))) for i in range(0, B, size)]
+    attention_mask, T = batch["attention_mask"], batch["responses"].shape[1]
+    order = torch.argsort(attention_mask.sum(dim=1), descending=True, stable=True)
+    packs: list[list[int]] = [[]]
+    for i in order.tolist():
+        candidate = packs[-1] + [i]
+        lo, hi = _window(attention_mask[candidate], T)  # the window alone: no copy of every tensor
+        if packs[-1] and len(candidate) * (hi - lo) > max_tokens:
+            packs.append([i])
+        else:
+            packs[-1] = candidate
+    return [_make_micro_batch(batch, torch.tensor(sorted(p))) for p in packs]
+
+
+def _scatter_rows(chunks: list[tuple[torch.Tensor, torch.Tensor]], B: int, T: int) -> torch.Tensor:
+    """Host-side: micro-batch results `(rows (b,), values (b, T'))` -> one `(B, T)` fp32 tensor."""
+    out = torch.zeros(B, T, dtype=torch.float32)  # (B, T)
+    for rows, values in chunks:
+        out[rows, : values.shape[1]] = values.float()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-rank runner shared by actor, reference and critic
+# ---------------------------------------------------------------------------------------------
+
+
+class MegatronRunner:
+    """One rank's model shard (DDP-wrapped), optimizer and schedule; subclasses add heads.
+
+    Subclasses override `_head(mb, dev, output)` that turns the last stage's output into per-token
+    response tensors (`dev`: the micro-batch on the device), and may override `_build_model` (the
+    critic swaps the LM head).
+    """
+
+    def __init__(self, hf_dir: str | Path, cfg: WorkerConfig) -> None:
+        self.hf_dir = Path(hf_dir)
+        self.cfg = cfg
+        self.hf_config, hf_state = mmodel.load_hf_checkpoint(self.hf_dir)
+        module = self._build_model(hf_state)
+        del hf_state
+        module.config.finalize_model_grads_func = _finalize_grads_summed
+        self.step = 0  # optimizer steps taken
+        self.optimizer = None
+        self.scheduler = None
+        if cfg.optim is None:  # reference policy: a bare model, no gradient buffers
+            module.requires_grad_(False)
+            self.model = [module]
+            return
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.optim.use_distributed_optimizer
+        )
+        self.model = [DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)]
+        self._build_optimizer(cfg.optim)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """This rank's GPTModel stage, without the DDP wrapper."""
+        return unwrap_model(self.model[0])
+
+    # -- construction ---------------------------------------------------------------------
+    @property
+    def params_dtype(self) -> torch.dtype:
+        """The parameters' and activations' dtype (`megatron.dtype`)."""
+        return getattr(torch, self.cfg.megatron.dtype)
+
+    def _build_model(self, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        module = mmodel.build_gpt_model(
+            self.hf_config, params_dtype=self.params_dtype,
+            calculate_per_token_loss=True,  # the schedule sums the callers' loss contributions
+        )
+        # Micro-batches carry their own window length; set after construction because
+        # TransformerConfig's MoE checks refuse it at init even for dense models.
+        module.config.variable_seq_lengths = True
+        mmodel.load_hf_weights(module, hf_state, self.hf_config)
+        return module
+
+    def _build_optimizer(self, o: OptimConfig) -> None:
+        ocfg = OptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad, use_distributed_optimizer=o.use_distributed_optimizer,
+            params_dtype=self.params_dtype, bf16=self.params_dtype == torch.bfloat16,  # bf16: fp32 main params + Adam
+        )
+        self.optimizer = get_megatron_optimizer(ocfg, self.model)
+        logger.info("optimizer: Megatron %s", type(self.optimizer).__name__)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=o.lr_warmup_init, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=max(o.lr_decay_steps, o.lr_warmup_steps + 1),
+            lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+            wd_incr_steps=1, wd_incr_style="constant",
+        )
+
+    # -- schedule -------------------------------------------------------------------------
+    def _head(self, mb: MicroBatch, dev: Batch, output: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _forward_backward(
+        self, mbs: list[MicroBatch],
+        on_outputs: Callable[[MicroBatch, Batch, dict[str, torch.Tensor]], tuple[torch.Tensor, dict]],
+        forward_only: bool,
+    ) -> list[dict]:
+        """Run the micro-batches through the pipeline; `on_outputs(mb, dev, head_outputs)` gives
+        `(loss contribution, record)` on the last stage, `dev` being the micro-batch on the device; a record
+        holds host values only (it crosses back through `device_check.to_host`). Returns the records (last
+        stage only)."""
+
+        def loss_func(mb: MicroBatch, dev: Batch, output: torch.Tensor):
+            loss, record = on_outputs(mb, dev, self._head(mb, dev, output))
+            return loss, torch.ones((), dtype=torch.int, device=loss.device), record
+
+        def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
+            mb = next(data_iterator)
+            dev = device_check.to_device(mb.window(), self._device)  # the seam, inbound: once, whole
+            output = model(
+                input_ids=dev["input_ids"], position_ids=dev["position_ids"],
+                attention_mask=mmodel.causal_padding_mask(dev["attention_mask"]),  # (b, 1, s, s)
+            )
+            return output, functools.partial(loss_func, mb, dev)
+
+        ctx = torch.no_grad() if forward_only else torch.enable_grad()
+        with ctx:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(mbs),
+                model=self.model,
+                num_microbatches=len(mbs),
+                seq_length=max(mb.hi - mb.lo for mb in mbs),
+                micro_batch_size=max(len(mb.rows) for mb in mbs),
+                forward_only=forward_only,
+            )
+
+    def device_tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor this rank keeps on the device: parameters, buffers, gradient buffers, optimizer state."""
+        for chunk in self.model:
+            module = unwrap_model(chunk)
+            yield from module.parameters()
+            yield from module.buffers()
+            for buf in chunk.buffers if isinstance(chunk, DistributedDataParallel) else []:  # DDP's flat buffers
+                yield from (t for t in (buf.param_data, buf.grad_data) if t is not None)
+            yield from (p.main_grad for p in module.parameters() if getattr(p, "main_grad", None) is not None)
+        if self.optimizer is not None:
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                for group in opt.optimizer.param_groups:
+                    yield from group["params"]
+                for state in opt.optimizer.state.values():
+                    yield from (v for v in state.values() if torch.is_tensor(v))
+
+    @property
+    def _device(self) -> torch.device:
+        return torch.device(torch.cuda.current_device())  # a GPU index, or the CPU adapter's device
+
+    def _response_slice(self, mb: MicroBatch, dev: Batch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Output positions that predict the response tokens kept in the window.
+
+        Returns `(pred (b, T', ...), targets (b, T'), T')` where T' <= T response columns are inside
+        the window; position `S-T-1+j` predicts response token `j`.
+        """
+        start = mb.seq_len - mb.resp_len  # first response column
+        kept = mb.hi - start  # response columns inside the window
+        pred = output[:, start - 1 - mb.lo: mb.hi - 1 - mb.lo]  # (b, T', ...)
+        targets = dev["responses"][:, :kept]  # (b, T')
+        return pred, targets, kept
+
+    def _global_counts(self, batch: Batch) -> tuple[int, int]:
+        """Response tokens and samples of `batch` summed over the DP group."""
+        counts = torch.tensor(
+            [float(batch["response_mask"].sum()), float(batch["response_mask"].shape[0])], device=self._device
+        )
+        torch.distributed.all_reduce(counts, group=mpu.get_data_parallel_group())
+        return int(counts[0]), int(counts[1])
+
+    def _mini_batches(self, batch: Batch, num_mini_batches: int) -> list[Batch]:
+        """This rank's piece of each global mini-batch (the group's mini-batch-aware split puts
+        piece `d` of global mini-batch `i` at local rows `[i * B / n, (i + 1) * B / n)`)."""
+        B = batch["input_ids"].shape[0]
+        if num_mini_batches < 1 or B % num_mini_batches:
+            raise ValueError(
+                f"num_mini_batches={num_mini_batches} must be >= 1 and divide this rank's {B} samples; "
+                "make the global batch a multiple of ppo_mini_batch_size * dp"
+            )
+        local = B // num_mini_batches
+        return [{k: v[i:i + local] for k, v in batch.items()} for i in range(0, B, local)]
+
+    def _infer(self, batch: Batch, keys: tuple[str, ...]) -> Batch:
+        """Forward-only pass; the head's `keys` as `(B, T)` tensors (0 off the response mask),
+        complete on the last pipeline stage (other stages return an empty dict)."""
+        validate_batch(batch)
+        records = self._forward_backward(
+            split_micro_batches(batch, self.cfg, forward_only=True),
+            lambda mb, dev, head: (head[keys[0]].new_zeros(()),
+                                   {"rows": mb.rows, **device_check.to_host({k: head[k] for k in keys})}),  # the seam, outbound
+            forward_only=True,
+        )
+        if not mpu.is_pipeline_last_stage():
+            return {}
+        B, T = batch["responses"].shape
+        mask = batch["response_mask"].float()
+        return {k: _scatter_rows([(r["rows"], r[k]) for r in records], B, T) * mask for k in keys}
+
+    def _train(self, batch: Batch, loss_fn: LossFn, num_mini_batches: int, epochs: int, prefix: str) -> dict[str, float]:
+        """Mini-batch / epoch loop: per mini-batch one forward-backward over its micro-batches,
+        a finite-gradient check, one optimizer step and one LR scheduler step."""
+        if self.optimizer is None:
+            raise RuntimeError("this worker has no optimizer (reference policy); build it with ActorConfig.optim set")
+        totals: dict[str, float] = {}
+        n_steps = 0
+        for _ in range(epochs):
+            for i, mini in enumerate(self._mini_batches(batch, num_mini_batches)):
+                tokens, seqs = self._global_counts(mini)
+
+                def on_outputs(mb: MicroBatch, dev: Batch, head: dict[str, torch.Tensor]):
+                    kept = head["kept"]  # response columns inside the window: (b, T) tensors are cut to (b, T')
+                    loss, metrics = loss_fn({
+                        **{k: v[:, :kept] if k not in SEQUENCE_KEYS and v.dim() == 2 and v.shape[1] == mb.resp_len
+                           else v for k, v in dev.items()},
+                        **{k: v for k, v in head.items() if k != "kept"},
+                        "global_token_count": tokens, "global_seq_count": seqs,
+                    })
+                    metrics = device_check.to_host({k: v.detach() if torch.is_tensor(v) else v
+                                                    for k, v in metrics.items()})  # the seam, outbound
+                    return loss, {k: float(v) for k, v in metrics.items()}
+
+                for chunk in self.model:
+                    chunk.zero_grad_buffer()
+                self.optimizer.zero_grad()
+                records = self._forward_backward(split_micro_batches(mini, self.cfg), on_outputs, forward_only=False)
+                self._check_finite_grads(i)
+                lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
+                _, grad_norm, _ = self.optimizer.step()
+                self.scheduler.step(increment=1)
+                self.step += 1
+                n_steps += 1
+                mb_sum: dict[str, float] = {}
+                for r in records:
+                    for k, v in r.items():
+                        mb_sum[k] = mb_sum.get(k, 0.0) + v
+                if mpu.is_pipeline_last_stage():  # DP groups are stage-uniform: all or none call
+                    mb_sum = self._sum_over_dp(mb_sum)
+                for k, v in {**mb_sum, "grad_norm": float(grad_norm or 0.0),
+                             "lr": lr}.items():
+                    totals[k] = totals.get(k, 0.0) + v
+        return {f"{prefix}/{k}": v / n_steps for k, v in totals.items()}
+
+    def _sum_over_dp(self, values: dict[str, float]) -> dict[str, float]:
+        keys = sorted(values)
+        t = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self._device)
+        torch.distributed.all_reduce(t, group=mpu.get_data_parallel_group())
+        return dict(zip(keys, t.tolist()))
+
+    def _check_finite_grads(self, mini_batch: int) -> None:
+        bad = torch.zeros(1, device=self._device)
+        for chunk in self.model:
+            for p in chunk.parameters():
+                g = getattr(p, "main_grad", None)
+                if g is not None and not torch.isfinite(g).all():
+                    bad.fill_(1.0)
+                    break
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        if bad.item():
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            raise FloatingPointError(
+                f"non-finite gradient in mini-batch {mini_batch}; the optimizer step was refused and the "
+                "weights are unchanged (check the loss function and the batch's advantages / log-probs)"
+            )
+
+    # -- memory: offload/onload (colocated engines get the GPU between training phases) -----------
+    def offload(self, params: bool, grads: bool, optimizer: bool) -> None:
+        """Move the chosen state to CPU memory and free its device memory; `onload` brings it back.
+
+        Parameters held in DDP's contiguous buffer keep their views: the buffer's storage is
+        copied out and shrunk to 0, and regrown in place on onload (verl's approach). Gradient
+        buffers are only shrunk: every mini-batch zeroes them before use.
+        """
+        self._offloaded = {"params": params, "grads": grads, "optimizer": optimizer and self.optimizer is not None}
+        self._move(torch.device("cpu"))
+        torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Bring back to the device what `offload` moved (nothing when nothing was offloaded)."""
+        self._move(self._device)
+        self._offloaded = {}
+
+    def _move(self, device: torch.device) -> None:
+        what = getattr(self, "_offloaded", {})
+        to_cpu = device.type == "cpu"
+        buffered: set[int] = set()
+        for chunk in self.model:
+            ddp_buffers = chunk.buffers + chunk.expert_parallel_buffers if isinstance(chunk, DistributedDataParallel) else []
+            for buf in ddp_buffers:
+                if what.get("params") and buf.param_data is not None:
+                    buffered.update(id(p) for p in buf.params)
+                    _move_storage(buf, "param_data", device, keep=True)
+                if what.get("grads") and buf.grad_data is not None:
+                    _move_storage(buf, "grad_data", device, keep=False)
+        model_params = {id(p) for chunk in self.model for p in chunk.parameters()}
+        if what.get("params"):
+            for chunk in self.model:
+                for p in chunk.parameters():
+                    if id(p) not in buffered:
+                        p.data = p.data.to(device, non_blocking=to_cpu)
+        if what.get("optimizer"):
+            for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                inner = opt.optimizer  # the torch optimizer: main params (when not the model's) and Adam states
+                for group in inner.param_groups:
+                    for p in group["params"]:
+                        if id(p) not in model_params:
+                            p.data = p.data.to(device, non_blocking=to_cpu)
+                for state in inner.state.values():
+                    for k, v in state.items():
+                        if torch.is_tensor(v):
+                            state[k] = v.to(device, non_blocking=to_cpu)
+        if to_cpu:
+            torch.cuda.synchronize()  # the copies must land before the device memory is reused
+
+    # -- checkpoint -----------------------------------------------------------------------
+    def save_checkpoint(self, path: str) -> None:
+        """Write this rank's model shard, optimizer, scheduler, RNG states and step (`checkpoint.py`); rank 0 adds
+        the model's config and tokenizer (`checkpoint.HF_DIR`), which an HF export of the checkpoint needs."""
+        checkpoint.save_rank(path, self.module, self.optimizer, self.scheduler, self.step)
+        if torch.distributed.get_rank() == 0:
+            checkpoint.save_hf_files(Path(path) / checkpoint.HF_DIR, self.hf_config, self.hf_dir)
+
+    def load_checkpoint(self, path: str) -> int:
+        """Restore what `save_checkpoint` wrote for this rank; returns the step."""
+        self.step = checkpoint.load_rank(path, self.module, self.optimizer, self.scheduler)
+        return self.step
+
+    def hf_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        """The full HF-named state dict on global rank 0 (None elsewhere; collective)."""
+        return mmodel.export_hf_state_dict(self.module, self.hf_config, dst_rank=0)
+
+    def export_hf(self, path: str, dtype: str | None = None) -> None:
+        """Write an HF checkpoint directory in `dtype` ("bfloat16" / "float32"; None: the parameters' dtype),
+        gathered to global rank 0 (collective)."""
+        checkpoint.export_hf(path, self.module, self.hf_config, self.hf_dir,
+                             getattr(torch, dtype) if dtype else self.params_dtype)
+
+
+def _move_storage(buf: Any, attr: str, device: torch.device, keep: bool) -> None:
+    """Offload (device "cpu") or onload a DDP buffer's flat tensor in place, so views into it stay valid.
+
+    `keep=False` (gradients) drops the values instead of copying them out; onload then zeroes the buffer.
+    """
+    flat = getattr(buf, attr)
+    storage = flat.untyped_storage()
+    if device.type == "cpu":
+        if flat.device.type == "cpu" or storage.size() == 0:
+            return  # nothing to free: already in CPU memory, or offloaded before
+        if keep:
+            setattr(buf, f"_{attr}_cpu", flat.detach().to("cpu"))
+        storage.resize_(0)
+        return
+    if storage.size() == 0:
+        storage.resize_(flat.numel() * flat.element_size())
+        saved = getattr(buf, f"_{attr}_cpu", None)
+        if saved is None:
+            flat.zero_()
+        else:
+            flat.copy_(saved)
+            setattr(buf, f"_{attr}_cpu", None)
+
+
+def _finalize_grads_summed(model, num_tokens=None, **kwargs) -> None:
+    """Megatron's finalize_model_grads (DP all-reduce, embedding and layernorm sync) without the
+    division by the token count: loss contributions are already normalised by the caller."""
+    finalize_model_grads(model, None, **kwargs)
+

@@ -237,6 +237,8 @@ class MegatronRunner:
         # Micro-batches carry their own window length; set after construction because
         # TransformerConfig's MoE checks refuse it at init even for dense models.
         module.config.variable_seq_lengths = True
+        for p in module.parameters():  # the local spec's torch norms are built fp32; Megatron's Float16Module casts all
+            p.data = p.data.to(self.params_dtype)
         mmodel.load_hf_weights(module, hf_state, self.hf_config)
         return module
 

@@ -275,8 +275,10 @@ def tensor_stats(t: torch.Tensor, chunk: int = 1 << 20) -> list[float]:
 class WeightSender:
     """One Megatron rank's side of weight sync (held by the actor role, driven by `recipe.weight_sync`).
 
-    Only data-parallel replica 0 exports. In each pipeline stage the TP ranks gather every tensor
-    to the rank(s) that send it; engine handles come in `plan` and are called by method name.
+    Tensor path: the ranks `plan["serializers"]` names export, each for the engine TP ranks on its own GPU, so
+    every data-parallel replica that shares GPUs with an engine takes part; a replica's stage whose ranks serialize
+    nothing skips the sync. Other paths: data-parallel replica 0 exports. In each pipeline stage the TP ranks
+    gather every tensor to the rank(s) that send it; engine handles come in `plan` and are called by method name.
     """
 
     def __init__(self) -> None:
@@ -319,8 +321,8 @@ class WeightSender:
     def send(self, module: torch.nn.Module, hf_config: Any, plan: dict[str, Any]) -> dict[str, Any] | None:
         """Export this stage's tensors and ship them by `plan["mode"]`:
 
-        - "tensor": `plan["serializers"][tp_rank]` lists the (engine index, engine TP rank) copies this
-          TP rank serializes; `plan["engines"]` are the engine actor handles.
+        - "tensor": `plan["serializers"][global rank]` lists the (engine index, engine TP rank) copies that
+          rank serializes; `plan["engines"]` are the engine actor handles.
         - "distributed": the stage sender broadcasts over `plan["groups"][stage]` (a group name).
         - "stats": ship nothing (expected checksums for a sync done another way, e.g. from disk).
 
@@ -332,13 +334,17 @@ class WeightSender:
         from megatron_workers.model import iter_stage_hf_tensors, stage_hf_tensor_shapes
 
         tp_rank, stage, dp_rank = self._position()
-        if dp_rank:
-            return None
         mode, engines = plan["mode"], plan.get("engines", [])
         if mode == "tensor":
             serializers = {int(k): v for k, v in plan["serializers"].items()}
-            mine = serializers.get(tp_rank, [])
-            dst = 0 if set(serializers) <= {0} else None  # gather to TP rank 0 when it serializes every copy
+            peers = dist.get_process_group_ranks(mpu.get_tensor_model_parallel_group())  # this stage's TP group
+            senders = [peers.index(g) for g in peers if g in serializers]  # TP positions that serialize
+            if not senders:
+                return None  # no engine TP rank sits on this replica's GPUs for this stage
+            mine = serializers.get(dist.get_rank(), [])
+            dst = senders[0] if len(senders) == 1 else None  # gather to the one sender, or to every TP rank
+        elif dp_rank:
+            return None
         else:
             mine, dst = [], 0
         dtype = getattr(torch, plan["dtype"])

@@ -105,10 +105,11 @@ def build_workers(cfg: PPOConfig, model_path: str, plan: PlacementPlan) -> Worke
                             enable_deterministic_inference=r.deterministic)
         for i, e in enumerate(plan.engines)
     ]
+    mode = r.update_weights_mode or ("tensor" if plan.hybrid else "distributed")
     weight_sync = WeightSync(
-        actor, engines, mode=r.update_weights_mode or ("tensor" if plan.hybrid else "distributed"),
-        bucket_bytes=r.update_weights_bucket_megabytes << 20, engine_dtype=r.dtype, check=r.check_weights,
-        tensor_senders=plan.tensor_senders, disk_dir=str(Path(cfg.trainer.default_local_dir) / "weight_sync"))
+        actor, engines, mode=mode, bucket_bytes=r.update_weights_bucket_megabytes << 20, engine_dtype=r.dtype,
+        check=r.check_weights, tensor_senders=plan.tensor_senders if mode == "tensor" else None,
+        disk_dir=str(Path(cfg.trainer.default_local_dir) / "weight_sync"))
     # Engines and ranks take turns on GPU memory only where there is some: on a cluster without GPUs
     # there is nothing to hand over (and SGLang 0.5.23's release ends in torch.cuda.synchronize()).
     return Workers(actor=actor, ref=ref, critic=critic, engines=engines, weight_sync=weight_sync,

@@ -8,9 +8,12 @@ into pools of one bundle per GPU, packed per node, and assigns them:
   `g // n_gpus_per_node`, local GPU `g % n_gpus_per_node`. The roles share each GPU.
 - `hybrid` (`actor_rollout_ref.hybrid_engine=true`, the default, as in verl): engine `i` with TP
   size `T` uses its node's GPUs `i*T .. i*T+T-1` of the trainer pool (SGLang `base_gpu_id`), so
-  there are `trainer GPUs / T` engines, colocated with the Megatron ranks. Weight sync can hand
-  tensors over on the GPU: `tensor_senders[i][r]` is the Megatron rank on engine `i`'s TP rank
-  `r`'s GPU.
+  there are `trainer GPUs / T` engines, colocated with the Megatron ranks. Weight sync hands
+  tensors over on the GPU: `tensor_senders[i][r][s]` is the Megatron rank that serializes pipeline
+  stage `s`'s weights for engine `i`'s TP rank `r`: the rank on that very GPU when it holds stage
+  `s` (always with PP=1), else the stage's rank on the same node with the same TP position and the
+  nearest GPU (the stage lives on other GPUs; its TP group gathers there). So every data-parallel
+  replica serializes for the engines on its own GPUs, and no CUDA IPC handle crosses GPUs at PP=1.
 - `separate` (`hybrid_engine=false`): the engines get their own pool, `rollout GPUs / T` of them.
 
 Errors name the config key and the fix. `Placement(plan)` makes the plan real on the Ray cluster
@@ -85,6 +88,8 @@ class PlacementPlan:
     roles: tuple[str, ...]  # Megatron roles, each `world_size` ranks on the trainer pool
     world_size: int
     engines: tuple[EnginePlacement, ...]
+    tp: int = 1  # the Megatron ranks' TP and PP sizes; Megatron orders ranks TP fastest, then DP, then PP
+    pp: int = 1
 
     def rank_bundle(self, rank: int) -> Bundle:
         """The bundle of global Megatron rank `rank` (the same for every role)."""
@@ -92,12 +97,29 @@ class PlacementPlan:
         return Bundle(TRAINER, rank // g, rank % g)
 
     @property
-    def tensor_senders(self) -> list[list[int]] | None:
-        """Hybrid: `[i][r]` = the Megatron rank on the GPU of engine i's TP rank r; separate: None."""
+    def tensor_senders(self) -> list[list[list[int]]] | None:
+        """Hybrid: `[i][r][s]` = the Megatron rank serializing stage s for engine i's TP rank r (see the module
+        docstring); separate: None."""
         if not self.hybrid:
             return None
         g = self.pools[TRAINER].gpus_per_node
-        return [[e.bundle.node * g + e.base_gpu_id + r for r in range(e.tp)] for e in self.engines]
+        per_stage = self.world_size // self.pp  # ranks of one pipeline stage: tp x dp
+
+        def sender(gpu: int, stage: int) -> int:  # `gpu`: a global GPU index = the rank placed on it
+            if gpu // per_stage == stage:
+                return gpu
+            node = gpu // g
+            same = [k for k in range(stage * per_stage, (stage + 1) * per_stage)
+                    if k // g == node and k % self.tp == gpu % self.tp]
+            if not same:
+                raise ConfigError(
+                    f"pipeline stage {stage} has no rank on node {node}, where an engine runs, so its weights cannot be "
+                    "handed over on the GPU; set actor_rollout_ref.rollout.update_weights_mode=distributed, or a "
+                    "smaller actor_rollout_ref.actor.megatron.pipeline_model_parallel_size")
+            return min(same, key=lambda k: abs(k - gpu))
+
+        return [[[sender(e.bundle.node * g + e.base_gpu_id + r, s) for s in range(self.pp)] for r in range(e.tp)]
+                for e in self.engines]
 
     def describe(self) -> str:
         pools = ", ".join(f"{name} {p.nnodes}x{p.gpus_per_node} ({p.occupants} per GPU)" for name, p in self.pools.items())
@@ -135,7 +157,11 @@ def plan_placement(cfg: PPOConfig) -> PlacementPlan:
     engines = tuple(EnginePlacement(Bundle(engine_pool, node, k * tp), tp)
                     for node in range(pool.nnodes) for k in range(pool.gpus_per_node // tp))
     world = pools[TRAINER].size
-    plan = PlacementPlan(hybrid, pools, roles, world, engines)
+    m = cfg.actor_rollout_ref.actor.megatron
+    plan = PlacementPlan(hybrid, pools, roles, world, engines, m.tensor_model_parallel_size,
+                         m.pipeline_model_parallel_size)
+    if hybrid and rollout.update_weights_mode in (None, "tensor"):
+        plan.tensor_senders  # noqa: B018 - raises ConfigError, before Ray, when a stage cannot reach an engine's node
     logger.info("placement: %s", plan.describe())
     return plan
 

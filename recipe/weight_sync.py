@@ -44,9 +44,10 @@ class WeightSync:
     def __init__(self, actor_group: Any, engines: list[EngineClient], *, mode: str, bucket_bytes: int,
                  engine_dtype: str, check: bool, tensor_senders: list[list[int]] | None = None,
                  disk_dir: str | None = None) -> None:
-        """`tensor_senders[i][r]`: global Megatron rank whose TP position serializes engine i's TP rank r
-        copy in every pipeline stage (None: TP rank 0 serializes all). `disk_dir`: where the disk path
-        writes its checkpoint (default: a fresh temp dir)."""
+        """`tensor_senders[i][r][s]`: the global Megatron rank that serializes pipeline stage s's weights for
+        engine i's TP rank r (`PlacementPlan.tensor_senders`: the rank on that GPU); None: each stage's first
+        rank (TP 0, DP 0) serializes every copy. `disk_dir`: where the disk path writes its checkpoint (default:
+        a fresh temp dir)."""
         if mode not in MODES:
             raise ValueError(f"rollout.update_weights_mode={mode!r} is not one of {MODES}")
         if not engines:
@@ -61,22 +62,28 @@ class WeightSync:
         self._groups: dict[int, str] | None = None  # distributed path: group name per pipeline stage
         self.expected: dict[str, list[float]] = {}  # senders' checksums of the last checked sync, by HF name
 
-    def _serializers(self, tensor_senders: list[list[int]] | None) -> dict[int, list[list[int]]]:
-        """{megatron TP rank: [[engine index, engine TP rank], ...]} for the tensor path."""
+    def _serializers(self, tensor_senders: list[list[list[int]]] | None) -> dict[int, list[list[int]]]:
+        """{global Megatron rank: [[engine index, engine TP rank], ...]} for the tensor path: each copy of each
+        stage's weights is serialized by exactly one rank of that stage."""
+        stage_of = {info.rank: info.pp_rank for info in self.group.ranks}
+        stages = sorted(set(stage_of.values()))
         if tensor_senders is None:
-            return {0: [[i, r] for i, e in enumerate(self.engines) for r in range(e.tp_size)]}
+            firsts = [min(i.rank for i in self.group.ranks if i.pp_rank == s and i.tp_rank == 0 and i.dp_rank == 0)
+                      for s in stages]
+            tensor_senders = [[firsts for _ in range(e.tp_size)] for e in self.engines]
         if len(tensor_senders) != len(self.engines):
             raise ValueError(f"tensor_senders has {len(tensor_senders)} entries for {len(self.engines)} engines")
-        tp_of = {info.rank: info.tp_rank for info in self.group.ranks}
         out: dict[int, list[list[int]]] = {}
-        for i, (engine, ranks) in enumerate(zip(self.engines, tensor_senders)):
-            if len(ranks) != engine.tp_size:
-                raise ValueError(f"tensor_senders[{i}] lists {len(ranks)} ranks for engine {engine.name} "
+        for i, (engine, per_rank) in enumerate(zip(self.engines, tensor_senders)):
+            if len(per_rank) != engine.tp_size:
+                raise ValueError(f"tensor_senders[{i}] lists {len(per_rank)} ranks for engine {engine.name} "
                                  f"with tp_size={engine.tp_size}")
-            for r, g in enumerate(ranks):
-                if g not in tp_of:
-                    raise ValueError(f"tensor_senders[{i}][{r}]={g} is not a rank of the actor group")
-                out.setdefault(tp_of[g], []).append([i, r])
+            for r, ranks in enumerate(per_rank):
+                if sorted(stage_of.get(g, -1) for g in ranks) != stages:
+                    raise ValueError(f"tensor_senders[{i}][{r}]={ranks} must name one actor rank of each pipeline "
+                                     f"stage {stages}")
+                for g in ranks:
+                    out.setdefault(g, []).append([i, r])
         return out
 
     def _each_engine(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:

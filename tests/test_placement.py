@@ -49,18 +49,38 @@ def test_hybrid_plan_colocates_every_role_and_engine_on_the_node(data_file):
     assert plan.hybrid and plan.roles == ("actor", "ref", "critic") and plan.world_size == 8
     assert list(plan.pools) == [TRAINER] and plan.pools[TRAINER].occupants == 4  # 3 roles + 1 engine per GPU
     assert [(e.bundle.node, e.base_gpu_id, e.tp) for e in plan.engines] == [(0, 0, 2), (0, 2, 2), (0, 4, 2), (0, 6, 2)]
-    assert plan.tensor_senders == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # tensor_senders[i][r] = [stage-0 rank, stage-1 rank]: stage 0 holds GPUs 0-3, stage 1 GPUs 4-7
+    assert plan.tensor_senders == [[[0, 4], [1, 5]], [[2, 4], [3, 5]], [[2, 4], [3, 5]], [[2, 6], [3, 7]]]
     assert [plan.rank_bundle(r).gpu for r in range(8)] == list(range(8))
+
+
+@pytest.mark.unit
+def test_each_engine_rank_gets_its_weights_from_the_rank_on_its_own_gpu(data_file):
+    """Contract (hybrid, fake 8-GPU node, actor TP2 x DP4, engines at TP2): the payload of engine i's TP rank r is
+    serialized by the Megatron rank on that same GPU, so every DP replica serves the engine on its own GPUs and no
+    CUDA IPC handle crosses GPUs; with PP=2 a stage not on the engine's GPU comes from the same node, same TP
+    position; a stage with no rank on the engine's node is refused before Ray, naming the key."""
+    plan = plan_placement(config(data_file, VERL_LIKE[:2] + VERL_LIKE[3:] + GRPO_KL))  # PP=1
+    for i, engine in enumerate(plan.engines):
+        for r in range(engine.tp):
+            (sender,) = plan.tensor_senders[i][r]
+            assert plan.rank_bundle(sender) == type(engine.bundle)(TRAINER, engine.bundle.node, engine.base_gpu_id + r)
+    assert plan.tensor_senders == [[[0], [1]], [[2], [3]], [[4], [5]], [[6], [7]]]
+    with pytest.raises(ConfigError, match="update_weights_mode=distributed"):
+        plan_placement(config(data_file, VERL_LIKE + GRPO_KL + ["trainer.nnodes=2", "trainer.n_gpus_per_node=4"]))
 
 
 @pytest.mark.unit
 def test_two_node_plans_place_by_node(data_file):
     """Contract: ranks fill node 0 then node 1; engines never straddle nodes; in separate mode the
     engines take their own pool (rollout.nnodes x rollout.n_gpus_per_node) and no tensor senders."""
-    plan = plan_placement(config(data_file, VERL_LIKE + GRPO_KL + ["trainer.nnodes=2", "trainer.n_gpus_per_node=4"]))
+    plan = plan_placement(config(data_file, VERL_LIKE + GRPO_KL + ["trainer.nnodes=2", "trainer.n_gpus_per_node=4",
+                                                                   "actor_rollout_ref.rollout.update_weights_mode=distributed"]))
     assert [(plan.rank_bundle(r).node, plan.rank_bundle(r).gpu) for r in (0, 3, 4, 7)] == [(0, 0), (0, 3), (1, 0), (1, 3)]
     assert [(e.bundle.node, e.base_gpu_id) for e in plan.engines] == [(0, 0), (0, 2), (1, 0), (1, 2)]
-    assert plan.tensor_senders == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    pp1 = plan_placement(config(data_file, VERL_LIKE[:2] + VERL_LIKE[3:] + GRPO_KL + [
+        "trainer.nnodes=2", "trainer.n_gpus_per_node=4"]))
+    assert pp1.tensor_senders == [[[0], [1]], [[2], [3]], [[4], [5]], [[6], [7]]]
     sep = plan_placement(config(data_file, VERL_LIKE + GRPO_KL + [
         "actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_gpus_per_node=4"]))
     assert not sep.hybrid and sep.pools[TRAINER].occupants == 2 and sep.pools["rollout"].occupants == 1
@@ -121,8 +141,9 @@ def fake_gpu_node(tmp_path_factory):
 def test_fake_8_gpu_node_schedules_every_role_at_once(fake_gpu_node, data_file):
     """Contract: on one 8-GPU node, every Megatron rank of actor, ref and critic and every engine (actor
     TP2 x PP2 x DP2, engines at TP2) starts with exactly the plan's Ray options, nothing waits on a
-    placement group, each rank gets the GPU the plan says, and each engine sees all GPUs (Ray sets no
-    CUDA_VISIBLE_DEVICES for it) while holding the share of its base GPU."""
+    placement group, each rank gets the GPU the plan says, each engine sees all GPUs (Ray sets no
+    CUDA_VISIBLE_DEVICES for it) while holding the share of its base GPU, and the rank that serializes each
+    engine TP rank's weights for the stage on that GPU got that very GPU from Ray."""
     import ray
 
     plan = plan_placement(config(data_file, VERL_LIKE + PPO_KL))
@@ -144,6 +165,10 @@ def test_fake_8_gpu_node_schedules_every_role_at_once(fake_gpu_node, data_file):
             placement.check_ranks(role, [tuple(s["gpu_ids"]) for s in seen])
         seen = ray.get([h.where.remote() for h in engines])
         assert [s["gpu_ids"] for s in seen] == [[e.base_gpu_id] for e in plan.engines]
+        actor_gpus = [s["gpu_ids"] for s in ray.get([h.where.remote() for h in ranks["actor"]])]
+        for i, e in enumerate(plan.engines):  # the weight-sync serializer shares the GPU of the engine rank it feeds
+            for r in range(e.tp):
+                assert [actor_gpus[g] for g in plan.tensor_senders[i][r]].count([e.base_gpu_id + r]) == 1
         assert all(s["cuda_visible"] is None for s in seen)
         assert all(t["state"] == "CREATED" for t in ray.util.placement_group_table().values()
                    if t["state"] != "REMOVED")

@@ -212,7 +212,11 @@ def test_two_engines_same_version_and_corrupted_tensor_is_named(actor_group, eng
 
     e0, e1 = engines((1, 1))
     _trained_actor(actor_group, tiny_model_dir, seed=6)
-    sync = WeightSync(actor_group, [e0, e1], mode="tensor", bucket_bytes=1 << 18, engine_dtype="float32", check=True)
+    # as the hybrid plan assigns them on GPUs 0 and 1 of a TP2 x PP2 actor: each engine's stage-0 payload from the rank
+    # on its GPU, stage 1 from the same TP position in stage 1, so both TP ranks of both stages serialize
+    sync = WeightSync(actor_group, [e0, e1], mode="tensor", bucket_bytes=1 << 18, engine_dtype="float32", check=True,
+                      tensor_senders=[[[0, 2]], [[1, 3]]])
+    assert sync.serializers == {0: [[0, 0]], 2: [[0, 0]], 1: [[1, 0]], 3: [[1, 0]]}
     sync.sync(version=3)
     assert [e.weight_version for e in (e0, e1)] == [3, 3]
     assert _engine_greedy(e0)[0].output_ids == _engine_greedy(e1)[0].output_ids

@@ -359,6 +359,7 @@ class MegatronRunner:
                                    {"rows": mb.rows, **device_check.to_host({k: head[k] for k in keys})}),  # the seam, outbound
             forward_only=True,
         )
+        torch.cuda.empty_cache()  # the phase's cached activations go back to the GPU (colocated engines, the next phase)
         if not mpu.is_pipeline_last_stage():
             return {}
         B, T = batch["responses"].shape
@@ -407,6 +408,7 @@ class MegatronRunner:
                 for k, v in {**mb_sum, "grad_norm": float(grad_norm or 0.0),
                              "lr": lr}.items():
                     totals[k] = totals.get(k, 0.0) + v
+        torch.cuda.empty_cache()  # as after `_infer`
         return {f"{prefix}/{k}": v / n_steps for k, v in totals.items()}
 
     def _sum_over_dp(self, values: dict[str, float]) -> dict[str, float]:

@@ -14,8 +14,8 @@ Training FLOPs of one sequence of s tokens (backward = 2 x forward; a multiply-a
 Only real tokens count (padding is not useful work). The peak is a device's dense (no sparsity) BF16 tensor-core
 TFLOPS from the vendors' datasheets, looked up by the accelerator type Ray reports for the cluster's GPUs
 (`PEAK_TFLOPS`), or `trainer.peak_tflops_per_gpu` for any other device. With neither (a CPU run, an unlisted
-GPU) no MFU is logged rather than a made-up one. The actor's Megatron ranks train in fp32 parameters here, so the
-BF16 peak is the ceiling a BF16 run would have, as in verl's figure.
+GPU) no MFU is logged rather than a made-up one. The actor trains in bf16 by default (`megatron.dtype`); with
+float32 the BF16 peak is still the reference, as in verl's figure.
 """
 from __future__ import annotations
 

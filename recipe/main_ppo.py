@@ -30,10 +30,11 @@ from recipe import checkpoint
 from recipe.config_schema import PPOConfig, RayInitConfig, is_hub_id, refuse_unsupported_overrides
 from recipe.data.dataset import PromptBatch, RLDataset
 from recipe.flops import MFU
+from recipe.memory_plan import check_memory, driver_gpu_bytes
 from recipe.placement import Placement, PlacementPlan, plan_placement
 from recipe.reward import RewardFn
 from recipe.tracking import Tracking
-from recipe.trainer import Trainer, Workers
+from recipe.trainer import Trainer, Workers, move_megatron_state
 from recipe.validation import Validator, validation_loop
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ def build_workers(cfg: PPOConfig, model_path: str, plan: PlacementPlan) -> Worke
     ref = group("ref", MegatronActor, dataclasses.replace(ar.actor, optim=None), temperature=temperature) \
         if "ref" in plan.roles else None
     critic = group("critic", MegatronCritic, cfg.critic) if "critic" in plan.roles else None
+    # The engines size their KV cache from the GPU memory free when they start: offload the training state first.
+    move_megatron_state([g for g in (actor, ref, critic) if g is not None], m, "offload")
     r = ar.rollout
     engines = [
         EngineClient.launch(model_path, name=f"engine{i}", ray_options=placement.engine_options(i), tp_size=e.tp,
@@ -129,6 +132,7 @@ def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Ite
     resume = checkpoint.resume_dir(cfg.trainer.resume_mode, cfg.trainer.default_local_dir, cfg.trainer.resume_from_path)
     wandb_run_id = checkpoint.TrainerState.read(resume).wandb_run_id if resume is not None else None
     path = model_dir(cfg)
+    check_memory(cfg, plan, AutoConfig.from_pretrained(path), driver_gpu_bytes())  # hybrid: refuses a plan that cannot fit
     tokenizer = AutoTokenizer.from_pretrained(path)
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     # multi_turn.enable=false: single turn, so no tool or interaction is loaded (rows' kwargs are dropped at load)

@@ -89,6 +89,17 @@ class Workers:
         return [g for g in (self.actor, self.ref, self.critic) if g is not None]
 
 
+def move_megatron_state(groups: list[MegatronWorkerGroup], m: Any, method: str) -> None:
+    """"offload" / "onload" on every group the Megatron state `m.*_offload` (a MegatronConfig) chooses. The
+    workers are built offloaded (recipe.main_ppo: before the engines start and size their KV cache)."""
+    if not (m.param_offload or m.grad_offload or m.optimizer_offload):
+        return
+    kwargs = {"params": m.param_offload, "grads": m.grad_offload, "optimizer": m.optimizer_offload} \
+        if method == "offload" else {}
+    for group in groups:
+        group.call_all(method, **kwargs)
+
+
 def trainable(trajs: list[Trajectory], multiple: int) -> list[Trajectory]:
     """Trajectories with at least one sampled token, cut to a multiple of `multiple` (in order)."""
     keep = [t for t in trajs if any(t.response_mask)]
@@ -163,7 +174,6 @@ class Trainer:
         self.total_steps = cfg.total_steps(batches_per_epoch)
         self.mfu = mfu  # perf/mfu/actor (recipe.flops); None: the device's peak FLOPs are unknown (e.g. a CPU)
         self._loop = asyncio.new_event_loop()
-        self._megatron_memory("offload")  # the first rollout finds the GPUs free of offloaded training state
 
     def fit(self, batches: Iterator[PromptBatch]) -> None:
         """Run the configured number of steps (step numbers start at 1), from the step after `global_step` (set by
@@ -351,14 +361,7 @@ class Trainer:
                 getattr(engine, method)(tags)
 
     def _megatron_memory(self, method: str) -> None:
-        """"offload" / "onload" the Megatron state chosen by `actor_rollout_ref.actor.megatron.*_offload`."""
-        m = self.cfg.actor_rollout_ref.actor.megatron
-        if not (m.param_offload or m.grad_offload or m.optimizer_offload):
-            return
-        kwargs = {"params": m.param_offload, "grads": m.grad_offload, "optimizer": m.optimizer_offload} \
-            if method == "offload" else {}
-        for group in self.workers.groups():
-            group.call_all(method, **kwargs)
+        move_megatron_state(self.workers.groups(), self.cfg.actor_rollout_ref.actor.megatron, method)
 
     def _data_metrics(self, batch: Batch, token_rewards: torch.Tensor, terms: RewardTerms, trajs: list[Trajectory],
                       dropped: int) -> dict[str, float]:

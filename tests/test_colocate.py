@@ -149,10 +149,9 @@ def phases(events: list[str]) -> list[str]:
 def test_colocated_step_takes_turns_on_the_gpus_in_order(tmp_path):
     """Contract (hybrid placement, offload on): every step runs rollout -> engines release memory ->
     Megatron onload -> train -> offload -> engines resume weights -> sync -> engines resume KV cache,
-    on every engine and every Megatron role; the Megatron state starts offloaded."""
+    on every engine and every Megatron role (the workers arrive offloaded: next test)."""
     trainer, events = make_trainer(tmp_path, OFFLOAD, colocated=True)
-    assert events == ["actor.offload", "ref.offload", "critic.offload"]
-    events.clear()
+    assert events == []
     trainer.step(prompts(), 1)
     trainer.step(prompts(), 2)
     step = ["rollout", "release", "onload", "train", "offload", "resume['weights']", "sync v{}",
@@ -162,6 +161,52 @@ def test_colocated_step_takes_turns_on_the_gpus_in_order(tmp_path):
     assert release_then_onload == ["engine0.release", "engine1.release", "actor.onload", "ref.onload", "critic.onload"]
     assert trainer.weight_version == 2
     trainer.close()
+
+
+@pytest.mark.unit
+def test_workers_are_built_offloaded_before_any_engine_starts(tmp_path, monkeypatch):
+    """Contract (hybrid, offload on): `build_workers` offloads every Megatron group's state before it launches the
+    first engine, so the engines size their KV cache on GPUs free of training state."""
+    import transformers
+
+    import megatron_workers.worker_group as worker_group
+    import recipe.main_ppo as main_ppo
+    import recipe.weight_sync as weight_sync
+    import rollout.engines.engine_actor as engine_actor
+    from recipe.placement import plan_placement
+
+    events: list[str] = []
+
+    class Group(FakeGroup):
+        def __init__(self, layout, rank_options, **kwargs) -> None:
+            super().__init__(rank_options, events)
+            self.ranks = []
+
+        def build(self, factory) -> None:
+            events.append(f"{self.name}.build")
+
+    class Placement:
+        use_gpus = True
+
+        def __init__(self, plan) -> None: ...
+        def rank_options(self, role: str) -> str: return role
+        def check_ranks(self, role, gpu_ids) -> None: ...
+        def engine_options(self, i: int) -> dict: return {}
+
+    def launch(model_path, name, **kwargs):
+        events.append(f"{name}.launch")
+        return FakeEngine(name, events)
+
+    monkeypatch.setattr(worker_group, "MegatronWorkerGroup", Group)
+    monkeypatch.setattr(main_ppo, "Placement", Placement)
+    monkeypatch.setattr(engine_actor.EngineClient, "launch", staticmethod(launch))
+    monkeypatch.setattr(weight_sync, "WeightSync", lambda *args, **kwargs: FakeSync(events))
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", staticmethod(lambda path: None))
+    trainer, _ = make_trainer(tmp_path, OFFLOAD + ["trainer.n_gpus_per_node=2"], colocated=True)
+    main_ppo.build_workers(trainer.cfg, "model", plan_placement(trainer.cfg))
+    trainer.close()
+    assert events[:8] == ["actor.build", "ref.build", "critic.build", "actor.offload", "ref.offload",
+                          "critic.offload", "engine0.launch", "engine1.launch"]
 
 
 @pytest.mark.unit

@@ -67,8 +67,9 @@ def test_actor_reference_logprobs_and_update_keep_the_seam(world_of_one, tiny_mo
     assert d.side[ref_out["log_probs"]] == "host"
 
 
-def test_critic_and_sft_keep_the_seam(world_of_one, tiny_model_dir):
-    """Contract: the critic's values and update and the SFT update keep the seam too."""
+def test_critic_and_sft_keep_the_seam(world_of_one, tiny_model_dir, monkeypatch):
+    """Contract: the critic's values and update and the SFT update keep the seam too; every inference and training
+    phase ends by handing the allocator's cached memory back (torch.cuda.empty_cache)."""
     from megatron_workers.actor import MegatronActor
     from megatron_workers.critic import MegatronCritic
 
@@ -80,9 +81,13 @@ def test_critic_and_sft_keep_the_seam(world_of_one, tiny_model_dir):
         loss = (((mb["values"] - mb["returns"]) ** 2) * mb["response_mask"]).sum() / mb["global_token_count"]
         return loss, {"vf_loss": loss.detach()}
 
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
     with _checked(critic, batch):
         values = critic.compute_values(batch)
+        assert len(emptied) == 1
         critic.update_critic(batch, value_loss)
+        assert len(emptied) == 2
     assert values["values"].device.type == "cpu"
     actor = MegatronActor(tiny_model_dir, _cfg(optim=True))
     with _checked(actor, batch):

@@ -1,0 +1,68 @@
+"""The hybrid memory plan (`recipe.memory_plan`): what each GPU holds in each phase, checked before Ray starts.
+
+Contract: the GSM8K preset's layout for Qwen2.5-3B fits an 80 GB GPU with its offload keys on; plans that cannot
+fit are refused naming the keys to change.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from recipe.config_schema import ConfigError, PPOConfig
+from recipe.memory_plan import GIB, check_memory, parameter_count, plan_memory
+from recipe.placement import plan_placement
+
+pytestmark = pytest.mark.unit
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "recipe" / "config")
+QWEN25_3B = {"hidden_size": 2048, "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 2,
+             "intermediate_size": 11008, "vocab_size": 151936, "tie_word_embeddings": True}  # its config.json
+GPU_80GB = 80 * 10**9
+OFFLOAD = ["actor_rollout_ref.actor.megatron.param_offload=true", "actor_rollout_ref.actor.megatron.grad_offload=true",
+           "actor_rollout_ref.actor.megatron.optimizer_offload=true"]
+
+
+def preset(tmp_path, overrides):
+    data = tmp_path / "train.parquet"
+    data.write_bytes(b"")
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(config_name="gsm8k_qwen2_5_3b", overrides=[
+            f"data.train_files=[{data}]", f"data.val_files=[{data}]", *overrides])
+    cfg = PPOConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+    return cfg, plan_placement(cfg)
+
+
+def test_qwen_3b_preset_fits_an_80gb_gpu(tmp_path, caplog):
+    """Contract: 3.1B parameters at TP=2 x DP=4 in bf16 (actor + reference): ~3.1 GiB of params and ~5.7 GiB of
+    fp32 grads per GPU, the distributed optimizer's fp32 state over DP; all of it offloaded during the rollout, the
+    engine's half of the GPU leaves a KV cache of tens of GiB; the plan is logged."""
+    assert abs(parameter_count(QWEN25_3B) - 3.09e9) < 0.02e9
+    cfg, plan = preset(tmp_path, OFFLOAD)
+    with caplog.at_level("INFO"):
+        memory = check_memory(cfg, plan, QWEN25_3B, GPU_80GB)
+    assert "memory plan per GPU" in caplog.text
+    assert memory.params == pytest.approx(2 * 3.09e9 / 2 * 2, rel=0.02)  # actor + ref shards, 2 bytes each
+    assert memory.grads == pytest.approx(3.09e9 / 2 * 4, rel=0.02)
+    assert memory.optimizer == pytest.approx(3.09e9 / 2 * 12 / 4, rel=0.02)
+    assert memory.offloaded == memory.state
+    assert memory.kv_cache > 30 * GIB and memory.rollout_free > 0 and memory.training_free > 40 * GIB
+
+
+def test_plans_that_cannot_fit_are_refused_naming_the_keys(tmp_path):
+    """Contract: resident training state next to a large engine share, an engine share smaller than its weights,
+    and training state larger than the GPU are each refused with the keys to change; fp32 costs more than bf16."""
+    cfg, plan = preset(tmp_path, ["actor_rollout_ref.rollout.gpu_memory_utilization=0.9"])
+    with pytest.raises(ConfigError, match="param_offload=true.*gpu_memory_utilization"):
+        plan_memory(cfg, plan, QWEN25_3B, GPU_80GB).check()
+    cfg, plan = preset(tmp_path, OFFLOAD + ["actor_rollout_ref.rollout.gpu_memory_utilization=0.03"])
+    with pytest.raises(ConfigError, match="no room for a KV cache"):
+        plan_memory(cfg, plan, QWEN25_3B, GPU_80GB).check()
+    cfg, plan = preset(tmp_path, OFFLOAD)
+    with pytest.raises(ConfigError, match="training does not fit.*tensor_model_parallel_size"):
+        plan_memory(cfg, plan, QWEN25_3B, 16 * 10**9).check()
+    fp32, _ = preset(tmp_path, OFFLOAD + ["actor_rollout_ref.actor.megatron.dtype=float32"])
+    assert plan_memory(fp32, plan, QWEN25_3B, GPU_80GB).params == 2 * plan_memory(cfg, plan, QWEN25_3B, GPU_80GB).params
+    assert check_memory(cfg, plan, QWEN25_3B, None) is None  # no GPU on the driver: nothing to plan

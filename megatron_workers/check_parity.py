@@ -16,7 +16,7 @@ are <= the tolerance and the round trip is exact, 1 when not, 2 when the check c
 Details of any mismatch go to stderr.
 
 The CLI and every spawned rank start with `cpu_compat.apply_cpu_compat()`, so the modules that
-import megatron (`megatron_workers.model`, `.parallel`) are imported inside the functions here.
+import megatron (`megatron_workers.model`, `.adapters`, `.parallel`) are imported inside the functions here.
 """
 from __future__ import annotations
 
@@ -100,13 +100,13 @@ def _megatron_forward(model: torch.nn.Module, batch: ParityBatch) -> dict[str, t
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_workers import model as conversion
+    from megatron_workers.model import causal_padding_mask
 
     device = next(model.parameters()).device
     ids = batch.input_ids.to(device)  # (B, T)
     bsz, length = ids.shape
     position_ids = torch.arange(length, device=device)[None, :].expand(bsz, length)  # (B, T)
-    mask = conversion.causal_padding_mask(batch.attention_mask).to(device)  # (B, 1, T, T)
+    mask = causal_padding_mask(batch.attention_mask).to(device)  # (B, 1, T, T)
 
     def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         shard = output.float()  # (B, T, V/tp)
@@ -134,9 +134,9 @@ def _roundtrip_mismatches(
     original: dict[str, torch.Tensor], exported: dict[str, torch.Tensor], hf_config: Any
 ) -> list[str]:
     """Names of tensors that the HF -> Megatron -> HF round trip lost, added or changed."""
-    from megatron_workers import model as conversion
+    from megatron_workers import adapters
 
-    expected = set(conversion.hf_tensor_shapes(hf_config))
+    expected = set(adapters.hf_tensor_shapes(hf_config))
     problems = [f"round trip: {n} missing from the export" for n in sorted(expected - set(exported))]
     problems += [f"round trip: unexpected tensor {n} in the export" for n in sorted(set(exported) - expected)]
     for name in sorted(expected & set(exported)):
@@ -155,21 +155,21 @@ def _worker(
     backend = cpu_compat.apply_cpu_compat()  # this spawned process's start
     from megatron.core import parallel_state
 
-    from megatron_workers import model as conversion, parallel
+    from megatron_workers import adapters, model, parallel
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     parallel.init_distributed(rank, world_size, "127.0.0.1", port, tp, pp, backend=backend, timeout_minutes=5)
     try:
-        state = conversion.load_hf_state_dict(hf_dir)
-        gpt = conversion.build_gpt_model(hf_config)
-        conversion.load_hf_weights(gpt, state, hf_config)
+        state = model.load_hf_state_dict(hf_dir)
+        gpt = model.build_gpt_model(hf_config)
+        adapters.load_hf_weights(gpt, state, hf_config)
         gpt.eval()
         result: dict[str, Any] = {}
         forward = _megatron_forward(gpt, batch)
         if forward is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
             result.update(forward)
-        exported = conversion.export_hf_state_dict(gpt, hf_config, dst_rank=0)
+        exported = adapters.export_hf_state_dict(gpt, hf_config, dst_rank=0)
         if exported is not None:
             result["roundtrip"] = _roundtrip_mismatches(state, exported, hf_config)
         if result:
@@ -195,12 +195,12 @@ def run_parity(hf_dir: str | Path, tp: int, pp: int, seed: int = 0) -> ParityRep
 
     Needs `cpu_compat.apply_cpu_compat()` at this process's start (`main` calls it).
     """
-    from megatron_workers import model as conversion, parallel
+    from megatron_workers import adapters, model, parallel
 
-    hf_config, state = conversion.load_hf_checkpoint(hf_dir)
+    hf_config, state = model.load_hf_checkpoint(hf_dir)
     parallel.validate_layout(hf_config, tp, pp)
-    conversion.check_hf_state_dict(state, hf_config)
-    shape = conversion.read_decoder_shape(hf_config)
+    adapters.check_hf_state_dict(state, hf_config)
+    shape = adapters.read_decoder_shape(hf_config)
     batch = make_batch(shape.vocab_size, seed)
     ref_logits, ref_logprobs = hf_reference(hf_dir, batch)
     world_size = tp * pp

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_workers.model import read_decoder_shape
+from megatron_workers.adapters import read_decoder_shape
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 def validate_layout(hf_config: Any | Mapping[str, Any], tp: int, pp: int) -> None:
     """Refuse a TP x PP layout the model cannot take; raises ValueError naming each field and fix.
 
-    Also refuses an unsupported architecture (see `model.read_decoder_shape`).
+    Also refuses an unsupported architecture (see `adapters.read_decoder_shape`).
     """
     shape = read_decoder_shape(hf_config)
     problems: list[str] = []

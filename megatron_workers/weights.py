@@ -1,6 +1,6 @@
 """Weight-sync sender: streaming export from Megatron ranks straight into the inference engines.
 
-Each pipeline stage exports its own layers (`model.iter_stage_hf_tensors`): every tensor's TP
+Each pipeline stage exports its own layers (`adapters.iter_stage_hf_tensors`): every tensor's TP
 shards are cast to the engine dtype and gathered over the stage's TP group one tensor at a time,
 then re-split into HF layout. The full tensors are copied into flat byte buckets of at most
 `bucket_bytes` and one dtype (`bucket_by_bytes` plans them from the shapes alone, so every rank
@@ -331,7 +331,7 @@ class WeightSender:
         """
         from megatron.core import parallel_state as mpu
 
-        from megatron_workers.model import iter_stage_hf_tensors, stage_hf_tensor_shapes
+        from megatron_workers.adapters import iter_stage_hf_tensors, stage_hf_tensor_shapes
 
         tp_rank, stage, dp_rank = self._position()
         mode, engines = plan["mode"], plan.get("engines", [])

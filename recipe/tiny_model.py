@@ -1,13 +1,18 @@
-"""Tiny-model kit: write a small, seeded, HF-format Qwen2 checkpoint with its own tokenizer.
+"""Tiny-model kit: write a small, seeded, HF-format Qwen2 or Qwen3 checkpoint with its own tokenizer.
 
 Nothing can be downloaded on CI or developer machines, so every test that needs a model
 builds one here: ``config.json``, ``model.safetensors`` and ``generation_config.json`` for a
-Qwen2-architecture causal LM, plus ``tokenizer.json``, ``tokenizer_config.json`` and
+Qwen2- (default) or Qwen3-architecture causal LM, plus ``tokenizer.json``, ``tokenizer_config.json`` and
 ``special_tokens_map.json`` for a byte-level BPE tokenizer with a Qwen2.5-style, tool-aware
 chat template. The result loads with ``AutoTokenizer`` / ``AutoModelForCausalLM`` and with
 SGLang's ``Engine`` like any real checkpoint::
 
     python -m recipe.tiny_model --out /tmp/tiny --layers 2 --hidden 64 --heads 4 --kv-heads 2
+    python -m recipe.tiny_model --arch qwen3 --out /tmp/tiny-qwen3
+
+``--arch qwen3`` writes Qwen3's layer: RMSNorm on each q and k head (``q_norm`` / ``k_norm``), no
+QKV bias, and a head dim that is not hidden/heads (default 2 * hidden/heads, the ratio of
+Qwen3-0.6B: hidden 1024, 16 heads, head_dim 128); ``--head-dim`` sets it for either architecture.
 
 Where it departs from a real Qwen2.5 checkpoint:
 
@@ -65,6 +70,8 @@ TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_respons
 
 TOKENIZER_SIZE = 1024
 """len(tokenizer): BPE vocabulary (256 bytes + merges) plus the added tokens."""
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+"""``--arch`` -> the HF architecture written to config.json."""
 VOCAB_MULTIPLE = 64
 """config.json's vocab_size is len(tokenizer) rounded up to this."""
 INIT_STD = 0.2
@@ -141,7 +148,7 @@ COMPACT_CHAT_TEMPLATE = _TEMPLATE.replace("@TOOLS_BLOCK@", _COMPACT_TOOLS_BLOCK)
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """Shape of the tiny Qwen2 model; validated on construction (messages name the CLI flags)."""
+    """Shape of the tiny model; validated on construction (messages name the CLI flags)."""
 
     layers: int = 2
     hidden: int = 64
@@ -153,6 +160,10 @@ class TinyModelSpec:
     tie_word_embeddings: bool = False
     seed: int = 0
     init_std: float = INIT_STD
+    arch: str = "qwen2"
+    """"qwen2" (QKV bias) or "qwen3" (q/k RMSNorm, no bias, head dim not hidden/heads by default)."""
+    head_dim: int | None = None
+    """Per-head width; None: hidden/heads for qwen2, 2 * hidden/heads for qwen3."""
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "max_position_embeddings"):
@@ -162,7 +173,11 @@ class TinyModelSpec:
             raise ValueError(f"{_flag('rope_theta')} must be > 0, got {self.rope_theta}")
         if self.init_std <= 0:
             raise ValueError(f"{_flag('init_std')} must be > 0, got {self.init_std}")
-        if self.hidden % self.heads:
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"{_flag('arch')}={self.arch!r} is not one of {sorted(ARCHITECTURES)}")
+        if self.head_dim is not None and self.head_dim < 1:
+            raise ValueError(f"{_flag('head_dim')} must be >= 1, got {self.head_dim}")
+        if self.head_dim is None and self.hidden % self.heads:
             raise ValueError(
                 f"{_flag('heads')}={self.heads} does not divide {_flag('hidden')}={self.hidden}; "
                 f"pick a head count that divides the hidden size"
@@ -172,15 +187,18 @@ class TinyModelSpec:
                 f"{_flag('kv_heads')}={self.kv_heads} does not divide {_flag('heads')}={self.heads}; "
                 f"pick a KV head count that divides the attention head count"
             )
-        if self.head_dim % 2:
+        if self.attn_head_dim % 2:
             raise ValueError(
-                f"head dim {_flag('hidden')}/{_flag('heads')} = {self.head_dim} is odd; RoPE needs an "
-                f"even head dim, change --hidden or --heads"
+                f"head dim {self.attn_head_dim} ({_flag('head_dim')}, else from {_flag('hidden')}/{_flag('heads')}) "
+                f"is odd; RoPE needs an even head dim, change --head-dim, --hidden or --heads"
             )
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def attn_head_dim(self) -> int:
+        """The head dim the checkpoint gets (`head_dim`, or its per-architecture default)."""
+        if self.head_dim is not None:
+            return self.head_dim
+        return self.hidden // self.heads * (2 if self.arch == "qwen3" else 1)
 
 
 def _flag(field: str) -> str:
@@ -361,8 +379,8 @@ def padded_vocab_size(tokenizer_size: int) -> int:
 
 
 def _model_config(spec: TinyModelSpec, vocab_size: int, eos_id: int, pad_id: int) -> dict:
-    return {
-        "architectures": ["Qwen2ForCausalLM"],
+    config = {
+        "architectures": [ARCHITECTURES[spec.arch]],
         "attention_dropout": 0.0,
         "bos_token_id": pad_id,  # as in Qwen2.5: <|endoftext|>; the tokenizer adds no BOS
         "dtype": "float32",
@@ -373,7 +391,7 @@ def _model_config(spec: TinyModelSpec, vocab_size: int, eos_id: int, pad_id: int
         "intermediate_size": spec.intermediate,
         "max_position_embeddings": spec.max_position_embeddings,
         "max_window_layers": spec.layers,
-        "model_type": "qwen2",
+        "model_type": spec.arch,
         "num_attention_heads": spec.heads,
         "num_hidden_layers": spec.layers,
         "num_key_value_heads": spec.kv_heads,
@@ -388,12 +406,17 @@ def _model_config(spec: TinyModelSpec, vocab_size: int, eos_id: int, pad_id: int
         "use_sliding_window": False,
         "vocab_size": vocab_size,
     }
+    if spec.head_dim is not None or spec.arch == "qwen3":
+        config["head_dim"] = spec.attn_head_dim
+    if spec.arch == "qwen3":
+        config["attention_bias"] = False
+    return config
 
 
 def init_weights(spec: TinyModelSpec, vocab_size: int) -> dict[str, torch.Tensor]:
-    """Seeded random fp32 weights under HF Qwen2 names (``lm_head`` omitted when tied)."""
+    """Seeded random fp32 weights under HF Qwen2/Qwen3 names (``lm_head`` omitted when tied)."""
     gen = torch.Generator().manual_seed(spec.seed)
-    h, hd, i = spec.hidden, spec.head_dim, spec.intermediate
+    h, hd, i = spec.hidden, spec.attn_head_dim, spec.intermediate
 
     def normal(*shape: int, std: float = spec.init_std) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * std
@@ -407,11 +430,21 @@ def init_weights(spec: TinyModelSpec, vocab_size: int) -> dict[str, torch.Tensor
         weights.update({
             p + "input_layernorm.weight": norm_weight(),
             p + "self_attn.q_proj.weight": normal(spec.heads * hd, h),  # (A*D, H)
-            p + "self_attn.q_proj.bias": normal(spec.heads * hd),
             p + "self_attn.k_proj.weight": normal(spec.kv_heads * hd, h),  # (K*D, H)
-            p + "self_attn.k_proj.bias": normal(spec.kv_heads * hd),
             p + "self_attn.v_proj.weight": normal(spec.kv_heads * hd, h),
-            p + "self_attn.v_proj.bias": normal(spec.kv_heads * hd),
+        })
+        if spec.arch == "qwen2":
+            weights.update({
+                p + "self_attn.q_proj.bias": normal(spec.heads * hd),
+                p + "self_attn.k_proj.bias": normal(spec.kv_heads * hd),
+                p + "self_attn.v_proj.bias": normal(spec.kv_heads * hd),
+            })
+        else:  # qwen3: RMSNorm over each head's D features of q and k
+            weights.update({
+                p + "self_attn.q_norm.weight": 1.0 + normal(hd, std=0.1),  # (D,)
+                p + "self_attn.k_norm.weight": 1.0 + normal(hd, std=0.1),
+            })
+        weights.update({
             p + "self_attn.o_proj.weight": normal(h, spec.heads * hd),  # (H, A*D)
             p + "post_attention_layernorm.weight": norm_weight(),
             p + "mlp.gate_proj.weight": normal(i, h),  # (I, H)
@@ -444,15 +477,17 @@ def write_tiny_checkpoint(
     seed: int = 0,
     init_std: float = INIT_STD,
     compact_tools: bool = False,
+    arch: str = "qwen2",
+    head_dim: int | None = None,
 ) -> Path:
-    """Write a seeded HF Qwen2 checkpoint + tokenizer to ``out_dir`` and return its path.
+    """Write a seeded HF Qwen2 (or, with `arch="qwen3"`, Qwen3) checkpoint + tokenizer to ``out_dir`` and return its path.
 
     `compact_tools` writes `COMPACT_CHAT_TEMPLATE` (tools block without the instructions) instead
     of `CHAT_TEMPLATE`. The same arguments give byte-identical files. Raises ``ValueError`` naming the argument
     (and its CLI flag) when the shape is inconsistent, e.g. ``heads`` not dividing ``hidden``.
     """
     spec = TinyModelSpec(layers, hidden, heads, kv_heads, intermediate, max_position_embeddings,
-                         rope_theta, tie_word_embeddings, seed, init_std)
+                         rope_theta, tie_word_embeddings, seed, init_std, arch, head_dim)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -471,7 +506,7 @@ def write_tiny_checkpoint(
         "bos_token_id": pad_id, "eos_token_id": eos_id, "pad_token_id": pad_id,
     })
     save_file(init_weights(spec, vocab_size), str(out / "model.safetensors"), metadata={"format": "pt"})
-    logger.info("wrote tiny Qwen2 checkpoint (%s, vocab %d) to %s", spec, vocab_size, out)
+    logger.info("wrote tiny %s checkpoint (%s, vocab %d) to %s", ARCHITECTURES[spec.arch], spec, vocab_size, out)
     return out
 
 
@@ -480,6 +515,10 @@ def main(argv: list[str] | None = None) -> None:
     defaults = TinyModelSpec()
     parser = argparse.ArgumentParser(prog="python -m recipe.tiny_model", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="directory to write the checkpoint into")
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default=defaults.arch,
+                        help="qwen2 (QKV bias) or qwen3 (q/k norms, no bias, head dim 2 * hidden/heads)")
+    parser.add_argument("--head-dim", type=int, default=defaults.head_dim, metavar="D",
+                        help="per-head width (default: hidden/heads for qwen2, 2 * hidden/heads for qwen3)")
     parser.add_argument("--layers", type=int, default=defaults.layers, metavar="N", help="decoder layers")
     parser.add_argument("--hidden", type=int, default=defaults.hidden, metavar="H", help="hidden size")
     parser.add_argument("--heads", type=int, default=defaults.heads, metavar="A", help="attention heads, divides H")

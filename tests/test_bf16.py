@@ -144,7 +144,7 @@ class _CopyCounter(TorchDispatchMode):
 def test_weight_export_sends_bf16_params_as_they_are(world_of_one, trained_init_model):
     """Contract: streaming the weights of a bf16 actor to a bf16 engine casts nothing (the hot path of every sync);
     to an fp32 engine every tensor is cast once."""
-    from megatron_workers.model import iter_stage_hf_tensors
+    from megatron_workers.adapters import iter_stage_hf_tensors
 
     actor = _actor(trained_init_model, "bfloat16")
     counts = {}

@@ -1,5 +1,6 @@
 """Megatron-Core at TP x PP (gloo, one process per rank) against transformers' own forward:
-logits and next-token log-probs within 1e-4 in fp32, and a bit-exact HF -> Megatron -> HF round trip."""
+logits and next-token log-probs within 1e-4 in fp32, and a bit-exact HF -> Megatron -> HF round trip, for
+Qwen2 at four layouts and for the tiny-model kit's Qwen3 at TP=2 x PP=2 (through the CLI)."""
 from __future__ import annotations
 
 import json
@@ -49,13 +50,20 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_cli_on_tiny_model(tiny_model_dir):
-    """Contract: the CLI passes on the project's tiny checkpoint at TP=2 x PP=2 and its last stdout
-    line is the JSON summary."""
-    proc = _cli("--hf", str(tiny_model_dir), "--tp", "2", "--pp", "2")
+def test_cli_on_tiny_qwen3_model(tmp_path):
+    """Contract: on the kit's tiny Qwen3 (`python -m recipe.tiny_model --arch qwen3`: q/k norms, no QKV
+    bias, head_dim 32 != hidden/heads 16) the CLI passes at TP=2 x PP=2 (logits and log-probs within 1e-4
+    of transformers', round trip bit-exact), and its last stdout line is the JSON summary."""
+    out = tmp_path / "qwen3"
+    subprocess.run([sys.executable, "-m", "recipe.tiny_model", "--arch", "qwen3", "--out", str(out)],
+                   cwd=REPO, check=True, capture_output=True, timeout=300)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"]
+    assert config["head_dim"] != config["hidden_size"] // config["num_attention_heads"]
+    proc = _cli("--hf", str(out), "--tp", "2", "--pp", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["tp"] == 2 and summary["pp"] == 2 and summary["roundtrip_exact"] is True
+    assert (summary["tp"], summary["pp"], summary["roundtrip_exact"]) == (2, 2, True)
     assert summary["max_abs_logit_diff"] <= 1e-4 and summary["max_abs_logprob_diff"] <= 1e-4
 
 

@@ -1,5 +1,6 @@
 """HF <-> Megatron conversion in one process (TP = PP = 1, gloo): config checks, layout refusal,
-bad-checkpoint errors, and exact round trips for Qwen2 (tied and untied, QKV bias) and Llama."""
+bad-checkpoint errors, and exact round trips for Qwen2 (tied and untied, QKV bias), Llama and Qwen3
+(q/k norms, head_dim != hidden/heads)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,24 +8,29 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_workers import check_parity, parallel
-from megatron_workers.ports import free_port
+from megatron_workers import adapters, check_parity, parallel
 from megatron_workers import model as conversion
+from megatron_workers.ports import free_port
 
 pytestmark = pytest.mark.unit
 
 TINY = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256, intermediate_size=128)
+QWEN3_HEAD_DIM = 32  # != hidden_size / num_attention_heads = 16, as in real Qwen3 models
 
 
 def write_hf_checkpoint(out_dir: Path, *, tied: bool, family: str = "qwen2", seed: int = 0) -> Path:
     """Save a seeded random HF checkpoint; biases and norm weights are made non-trivial so that a
     wrong QKV interleaving or a swapped norm shows up in the logits."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
 
     torch.manual_seed(seed)
     if family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=tied, architectures=["Qwen2ForCausalLM"]))
+    elif family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=QWEN3_HEAD_DIM, tie_word_embeddings=tied,
+                                             architectures=["Qwen3ForCausalLM"]))
     else:
         model = LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=tied, rope_theta=5e5,
                                              architectures=["LlamaForCausalLM"]))
@@ -56,7 +62,9 @@ def _qwen2_config(**changes):
     "config, field",
     [
         ({**TINY, "model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "architectures"),
-        ({**TINY, "model_type": "qwen3"}, "model_type"),
+        ({**TINY, "model_type": "gemma"}, "model_type"),
+        ({**TINY, "model_type": "qwen3", "rope_theta": 1e4, "attention_bias": True}, "attention_bias"),
+        ({**TINY, "model_type": "qwen3", "rope_theta": 1e4, "layer_types": ["sliding_attention"] * 4}, "layer_types"),
         ({**TINY, "model_type": "llama", "rope_theta": 1e4, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
          "rope_scaling"),
         ({**TINY, "model_type": "qwen2", "rope_theta": 1e4, "use_sliding_window": True}, "use_sliding_window"),
@@ -67,7 +75,7 @@ def _qwen2_config(**changes):
 def test_unsupported_config_names_the_field(config, field):
     """Contract: an architecture the conversion cannot reproduce is refused with the config field's name."""
     with pytest.raises(ValueError, match=field):
-        conversion.read_decoder_shape(config)
+        adapters.read_decoder_shape(config)
 
 
 def test_config_maps_onto_megatron():
@@ -77,6 +85,23 @@ def test_config_maps_onto_megatron():
     assert cfg.add_qkv_bias and not cfg.add_bias_linear and cfg.gated_linear_unit
     assert cfg.normalization == "RMSNorm" and cfg.layernorm_epsilon == 1e-5
     assert cfg.hidden_dropout == 0.0 and cfg.attention_dropout == 0.0
+    assert not cfg.qk_layernorm
+
+
+def test_qwen3_config_maps_onto_megatron():
+    """Contract: Qwen3's explicit head_dim becomes kv_channels (not hidden/heads), q/k norms become
+    qk_layernorm, and it has no QKV bias; its q/k norm tensors are (head_dim,) in the HF plan."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(**TINY, head_dim=QWEN3_HEAD_DIM, architectures=["Qwen3ForCausalLM"])
+    cfg = conversion.hf_to_transformer_config(config)
+    assert (cfg.kv_channels, cfg.num_query_groups) == (QWEN3_HEAD_DIM, 2)
+    assert cfg.qk_layernorm and not cfg.add_qkv_bias and not cfg.add_bias_linear
+    shapes = adapters.hf_tensor_shapes(config)
+    assert shapes["model.layers.0.self_attn.q_norm.weight"] == (QWEN3_HEAD_DIM,)
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (4 * QWEN3_HEAD_DIM, 64)
+    assert shapes["model.layers.0.self_attn.o_proj.weight"] == (64, 4 * QWEN3_HEAD_DIM)
+    assert not any(name.endswith("bias") for name in shapes)
 
 
 @pytest.mark.parametrize(
@@ -115,18 +140,18 @@ def test_parity_refuses_bad_layout_before_spawning(tmp_path, monkeypatch):
 def test_state_dict_check_names_missing_and_misshaped_tensors():
     """Contract: a checkpoint that does not match its config fails with the HF tensor names and shapes."""
     config = _qwen2_config()
-    shapes = conversion.hf_tensor_shapes(config)
+    shapes = adapters.hf_tensor_shapes(config)
     state = {name: torch.zeros(shape) for name, shape in shapes.items()}
     del state["model.layers.3.mlp.up_proj.weight"]
     state["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(48, 64)
     with pytest.raises(ValueError) as err:
-        conversion.check_hf_state_dict(state, config)
+        adapters.check_hf_state_dict(state, config)
     text = str(err.value)
     assert "missing tensor model.layers.3.mlp.up_proj.weight (expected shape (128, 64))" in text
     assert "model.layers.1.self_attn.k_proj.weight: expected shape (32, 64), got (48, 64)" in text
 
 
-@pytest.mark.parametrize("family, tied", [("qwen2", False), ("qwen2", True), ("llama", False)])
+@pytest.mark.parametrize("family, tied", [("qwen2", False), ("qwen2", True), ("llama", False), ("qwen3", True)])
 def test_roundtrip_and_logits_single_rank(world_of_one, tmp_path, family, tied):
     """Contract: HF -> Megatron -> HF is bit-exact, and Megatron's logits match transformers'
     (right-padded batch, causal + padding mask) within 1e-4 on valid positions."""
@@ -134,10 +159,10 @@ def test_roundtrip_and_logits_single_rank(world_of_one, tmp_path, family, tied):
     hf_config, state = conversion.load_hf_checkpoint(ckpt)
     assert ("lm_head.weight" in state) == (not tied)
     gpt = conversion.build_gpt_model(hf_config).eval()
-    conversion.load_hf_weights(gpt, state, hf_config)
+    adapters.load_hf_weights(gpt, state, hf_config)
 
-    exported = conversion.export_hf_state_dict(gpt, hf_config)
-    assert list(exported) == list(conversion.hf_tensor_shapes(hf_config))
+    exported = adapters.export_hf_state_dict(gpt, hf_config)
+    assert list(exported) == list(adapters.hf_tensor_shapes(hf_config))
     assert set(exported) == set(state)
     for name, tensor in state.items():
         assert torch.equal(exported[name], tensor), name
@@ -161,11 +186,11 @@ def test_load_names_missing_tensor_and_wrong_shape(world_of_one, tmp_path):
 
     missing = {k: v for k, v in state.items() if k != "model.layers.2.self_attn.v_proj.bias"}
     with pytest.raises(ValueError, match=r"missing tensor model\.layers\.2\.self_attn\.v_proj\.bias"):
-        conversion.load_hf_weights(gpt, missing, hf_config)
+        adapters.load_hf_weights(gpt, missing, hf_config)
 
     wrong = dict(state, **{"model.norm.weight": torch.ones(65)})
     with pytest.raises(ValueError, match=r"model\.norm\.weight: expected shape \(64,\), got \(65,\)"):
-        conversion.load_hf_weights(gpt, wrong, hf_config)
+        adapters.load_hf_weights(gpt, wrong, hf_config)
     assert all(torch.equal(p, before[n]) for n, p in gpt.named_parameters())
 
 

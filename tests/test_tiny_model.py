@@ -127,6 +127,29 @@ def test_shape_arguments_and_tied_embeddings(tmp_path):
 
 
 @pytest.mark.unit
+def test_qwen3_checkpoint_has_qk_norms_no_bias_and_its_own_head_dim(tmp_path):
+    """Contract: `arch="qwen3"` writes a Qwen3ForCausalLM that transformers loads whole: q/k RMSNorm weights of
+    head_dim, no QKV bias, head_dim 2 * hidden/heads by default (as Qwen3-0.6B) or as given; same tokenizer."""
+    path = write_tiny_checkpoint(tmp_path / "q3", arch="qwen3", seed=2)
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    cfg = model.config
+    assert type(model).__name__ == "Qwen3ForCausalLM" and not cfg.attention_bias
+    assert cfg.head_dim == 2 * cfg.hidden_size // cfg.num_attention_heads == 32
+    state = load_file(path / "model.safetensors")
+    assert state["model.layers.0.self_attn.q_norm.weight"].shape == (32,)
+    assert state["model.layers.1.self_attn.q_proj.weight"].shape == (4 * 32, 64)
+    assert not any(name.endswith("bias") for name in state)
+    assert not torch.equal(state["model.layers.0.self_attn.k_norm.weight"], torch.ones(32))
+    logits = model(torch.tensor([[1, 2, 3]])).logits  # (1, 3, V)
+    assert torch.isfinite(logits).all()
+    explicit = write_tiny_checkpoint(tmp_path / "q3h8", arch="qwen3", head_dim=8)
+    assert json.loads((explicit / "config.json").read_text())["head_dim"] == 8
+    with pytest.raises(ValueError, match="--arch"):
+        write_tiny_checkpoint(tmp_path / "bad", arch="mistral")
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "kwargs, flag",
     [({"heads": 3}, "--heads"), ({"kv_heads": 3}, "--kv-heads"), ({"hidden": 12, "heads": 4}, "--hidden"),

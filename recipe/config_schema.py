@@ -170,8 +170,9 @@ class TrainerConfig:
     log_val_generations: int = 0
     """Validation samples logged as a table (`val/generations`) at each validation; 0: none."""
     rollout_data_dir: str | None = None
-    """Directory of one `<step>.jsonl` per step with each trajectory's prompt, response, tool calls, rewards and
-    finish reason; None: not written."""
+    """Directory of one `<step>.jsonl` per step with each trajectory's prompt, response, tool calls, rewards,
+    finish reason, token ids, mask, log-probs, weight versions and turn spans (`python -m recipe.show_trajectory`
+    prints one); None: not written."""
     validation_data_dir: str | None = None
     """The same per validation (`<step>.jsonl`, step 0 = before training); None: not written."""
     seed: int = 0

@@ -30,6 +30,7 @@ from recipe import checkpoint
 from recipe.config_schema import PPOConfig, RayInitConfig, is_hub_id, refuse_unsupported_overrides
 from recipe.data.dataset import PromptBatch, RLDataset
 from recipe.flops import MFU
+from recipe.logs import setup_logging
 from recipe.memory_plan import check_memory, driver_gpu_bytes
 from recipe.placement import Placement, PlacementPlan, plan_placement
 from recipe.reward import RewardFn
@@ -130,7 +131,7 @@ def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Ite
 
     plan = plan_placement(cfg)  # refuses a layout that cannot fit before anything starts
     resume = checkpoint.resume_dir(cfg.trainer.resume_mode, cfg.trainer.default_local_dir, cfg.trainer.resume_from_path)
-    wandb_run_id = checkpoint.TrainerState.read(resume).wandb_run_id if resume is not None else None
+    state = checkpoint.TrainerState.read(resume) if resume is not None else None  # the step and wandb run it continues
     path = model_dir(cfg)
     check_memory(cfg, plan, AutoConfig.from_pretrained(path), driver_gpu_bytes())  # hybrid: refuses a plan that cannot fit
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -152,7 +153,8 @@ def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Ite
     loop = AgentLoop(workers.engines, tokenizer, cfg.actor_rollout_ref.rollout, tools=tools, interactions=interactions)
     t = cfg.trainer
     tracker = Tracking(t.logger, t.project_name, t.experiment_name, t.default_local_dir, config=config_dict,
-                       run_id=wandb_run_id)
+                       run_id=state.wandb_run_id if state else None, resume_step=state.step if state else None,
+                       dump_dirs=[t.rollout_data_dir, t.validation_data_dir])
     batches = dataset.batches(cfg.data.train_batch_size, seed=t.seed, shuffle=cfg.data.shuffle)
     validator = None
     if val_prompts is not None:
@@ -188,7 +190,7 @@ def run(cfg: PPOConfig, config_dict: dict | None = None) -> None:
 def main(cfg: DictConfig) -> None:
     """Hydra entry: validate the config, then `run`."""
     cpu_compat.apply_cpu_compat()  # this process's start (it imports the Megatron worker classes)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    setup_logging()  # keeps Hydra's log file handler; filters third-party import noise
     config_dict = OmegaConf.to_container(cfg, resolve=True)
     run(PPOConfig.from_dict(config_dict), config_dict)
 

@@ -28,6 +28,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_workers import cpu_compat
+from recipe.logs import setup_logging
 from recipe.sft_config import SFTConfig, check_overrides
 
 logger = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ def run(cfg: SFTConfig, config_dict: dict | None = None) -> dict[str, Any]:
 def main(cfg: DictConfig) -> None:
     """Hydra entry: validate the config, `run`, print the final JSON line."""
     cpu_compat.apply_cpu_compat()  # this process's start (it imports the Megatron worker classes)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    setup_logging()  # keeps Hydra's log file handler; filters third-party import noise
     config_dict = OmegaConf.to_container(cfg, resolve=True)
     result = run(SFTConfig.from_dict(config_dict), config_dict)
     print(json.dumps(result), flush=True)

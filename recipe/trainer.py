@@ -182,7 +182,7 @@ class Trainer:
         if self.validator is not None and t.val_before_train:
             self.validate(self.global_step)
         for step in tqdm(range(self.global_step + 1, self.total_steps + 1), desc="training", unit="step",
-                         initial=self.global_step, total=self.total_steps):
+                         initial=self.global_step, total=self.total_steps, disable=None):  # None: off unless a tty
             self.step(self._next_batch(batches), step)
             self.global_step = step
             if self.validator is not None and t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps):
@@ -318,7 +318,8 @@ class Trainer:
         self._log_examples(trajs, terms, step)
         if self.cfg.trainer.rollout_data_dir:
             totals = [float(r) for r in terms.totals(self.cfg.reward)]
-            write_jsonl(self.cfg.trainer.rollout_data_dir, step, trajectory_records(trajs, terms, totals, step))
+            write_jsonl(self.cfg.trainer.rollout_data_dir, step,
+                        trajectory_records(trajs, terms, totals, step, self.agent_loop.codec.tokenizer))
         return metrics
 
     # ---- pieces of a step ----------------------------------------------------------------

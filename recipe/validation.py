@@ -4,7 +4,9 @@
 tools and interactions, with `actor_rollout_ref.rollout.val_kwargs` sampling (greedy, one sample
 per prompt, unless `do_sample`), scores them with `recipe.reward` exactly as training samples are
 scored, and returns `val_metrics`. `trajectory_records` + `write_jsonl` write one JSONL file per
-step (`trainer.rollout_data_dir`, `trainer.validation_data_dir`).
+step (`trainer.rollout_data_dir`, `trainer.validation_data_dir`): each trajectory's messages, rewards and
+tool calls, and its token ids, mask, engine log-probs, weight versions and turn spans with their text
+(`python -m recipe.show_trajectory` prints one).
 
 Metric names follow verl's `val-core/<data_source>/reward/mean@<n>` (the weighted total reward);
 `val-aux/<data_source>/reward/{std,best,worst}@<n>` and the dict-score extra keys
@@ -57,10 +59,12 @@ def val_metrics(trajs: list[Trajectory], rewards: list[float], n: int,
     return m
 
 
-def trajectory_records(trajs: list[Trajectory], terms: RewardTerms, rewards: list[float],
-                       step: int) -> list[dict[str, Any]]:
+def trajectory_records(trajs: list[Trajectory], terms: RewardTerms, rewards: list[float], step: int,
+                       tokenizer: Any) -> list[dict[str, Any]]:
     """One JSON-ready dict per trajectory: prompt messages, response (what the policy wrote), the whole chat after
-    the prompt, tool calls, rewards and finish reason."""
+    the prompt, tool calls, rewards and finish reason; and what was trained on, as the engine produced it: the
+    token ids, the response mask, the engine's log-probs, each assistant turn's weight version, and the turn spans
+    with their text (`tokenizer` decodes them; its `name_or_path` is recorded for `recipe.show_trajectory`)."""
     records = []
     for i, t in enumerate(trajs):
         first = next((k for k, msg in enumerate(t.messages) if msg.get("role") == "assistant"), len(t.messages))
@@ -74,6 +78,12 @@ def trajectory_records(trajs: list[Trajectory], terms: RewardTerms, rewards: lis
                         "interaction": [r for _, r in terms.interaction[i]]},
             "finish_reason": t.finish_reason.value if t.finish_reason else None,
             "num_turns": t.num_assistant_turns, "response_tokens": len(t.response_ids),
+            "tokenizer": tokenizer.name_or_path, "prompt_ids": t.prompt_ids, "response_ids": t.response_ids,
+            "response_mask": t.response_mask, "rollout_logprobs": t.rollout_logprobs,
+            "weight_versions": t.weight_versions,
+            "turns": [{"role": s.role, "start": s.start, "end": s.end, "weight_version": s.weight_version,
+                       "text": tokenizer.decode(t.response_ids[s.start:s.end], skip_special_tokens=False)}
+                      for s in t.turns],
         })
     return records
 
@@ -122,7 +132,7 @@ class Validator:
         trajs = await self.agent_loop.generate(self.prompts, greedy=self.greedy, seed=self.seed)
         terms = self.reward_fn.terms(trajs)
         rewards = [float(r) for r in terms.totals(self.reward_fn.weights)]
-        records = trajectory_records(trajs, terms, rewards, step)
+        records = trajectory_records(trajs, terms, rewards, step, self.agent_loop.codec.tokenizer)
         table = [[r["uid"], r["data_source"], json.dumps(r["prompt"])[-500:], r["response"][-500:],
                   str(r["ground_truth"]), r["rewards"]["total"], r["finish_reason"]]
                  for r in records[: self.log_generations]]

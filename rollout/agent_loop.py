@@ -260,7 +260,7 @@ class AgentLoop:
                 trajs.append(traj)
                 jobs.append(self._run(traj, schemas))
         self._tasks = {asyncio.ensure_future(j) for j in jobs}
-        bar = tqdm(total=len(self._tasks), desc="rollout", unit="traj", leave=False)  # trajectories done
+        bar = tqdm(total=len(self._tasks), desc="rollout", unit="traj", leave=False, disable=None)  # off unless a tty
         for task in self._tasks:
             task.add_done_callback(lambda _: bar.update())
         try:
@@ -487,6 +487,7 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
     m["timing/rollout_interaction_s"] = sum(t.interaction_time_s for t in trajs)
     calls = [c for t in trajs for c in t.tool_calls]
     m["rollout/tool/calls"] = float(len(calls))
+    m["rollout/tool/call_rate"] = sum(bool(t.tool_calls) for t in trajs) / n  # share of samples with a call
     m["rollout/tool/truncations"] = float(sum(c.truncated for c in calls))
     per_tool = Counter(c.name for c in calls if c.name is not None)
     per_tool_errors = Counter(c.name for c in calls if c.name is not None and c.error is not None)

@@ -72,10 +72,20 @@ class FakeSync:
         self.events.append("sync.close")
 
 
+class FakeTokenizer:
+    """Decodes ids as `<id>` text, for the trajectory dumps (cpu_tiny sets trainer.rollout_data_dir)."""
+
+    name_or_path = "fake/tokenizer"
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(f"<{i}>" for i in ids)
+
+
 class FakeAgentLoop:
     """Returns `n` sampled trajectories per prompt, each answering '#### 4'."""
 
     pad_token_id = 0
+    codec = SimpleNamespace(tokenizer=FakeTokenizer())
 
     def __init__(self, events: list[str], n: int) -> None:
         self.events, self.n = events, n

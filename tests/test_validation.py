@@ -46,11 +46,13 @@ def test_val_metrics_per_data_source_with_verl_names():
 @pytest.mark.unit
 def test_trajectory_jsonl_has_prompt_response_tool_calls_rewards_finish_reason(tmp_path):
     """Contract: `<dir>/<step>.jsonl`, one line per trajectory with the fields the issue names, readable as JSON."""
+    from tests.test_colocate import FakeTokenizer
+
     trajs = [traj("p0", 0, "gsm8k", calls=1, turns=2), traj("p0", 1, "gsm8k")]
     trajs[1].finish_reason = FinishReason.LENGTH
     terms = RewardTerms(outcome=torch.tensor([1.0, 0.0]), tool_final=torch.tensor([0.0, 0.0]),
                         tool=[[(1, 0.1)], []], interaction=[[], []], extra={})
-    path = write_jsonl(tmp_path / "rollout", 3, trajectory_records(trajs, terms, [1.1, 0.0], step=3))
+    path = write_jsonl(tmp_path / "rollout", 3, trajectory_records(trajs, terms, [1.1, 0.0], 3, FakeTokenizer()))
     assert path == tmp_path / "rollout" / "3.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 2
@@ -61,6 +63,10 @@ def test_trajectory_jsonl_has_prompt_response_tool_calls_rewards_finish_reason(t
                                     "error": None, "step_reward": 0.1}]
     assert first["rewards"] == {"total": 1.1, "outcome": 1.0, "tool_final": 0.0, "tool_steps": [0.1], "interaction": []}
     assert first["finish_reason"] == "stop" and rows[1]["finish_reason"] == "length" and rows[1]["tool_calls"] == []
+    assert first["response_ids"] == [5, 5, 5, 5] and first["response_mask"] == [1, 1, 1, 1]
+    assert [(s["role"], s["start"], s["end"], s["text"]) for s in first["turns"]] == \
+        [("assistant", 0, 2, "<5><5>"), ("assistant", 2, 4, "<5><5>")]
+    assert first["tokenizer"] == "fake/tokenizer"
 
 
 @pytest.mark.unit

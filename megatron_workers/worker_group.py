@@ -20,6 +20,12 @@ aware* (`mini_batches`): each mini-batch is split across DP ranks separately, so
 mini-batch `i` holds the same samples for any DP size, and parallelism does not change
 which samples share an optimizer step.
 
+Faults: every call waits on the ranks as they finish and stops at the first failure: a rank that
+died (its actor is gone) or raised (a collective past the process-group timeout,
+`collective_timeout_s`, raises on every rank waiting in it; a peer's death breaks the others'
+collectives at once) ends the call with `RankFailure`, naming the group's role, the rank and its
+(tp, pp, dp) coordinates; a dead rank is named before the peers it left waiting.
+
 Megatron numbers ranks `tp-cp-ep-dp-pp` (TP fastest); the group asks every actor for its
 (tp, pp, dp) coordinates after initialisation instead of recomputing that order.
 """
@@ -89,14 +95,17 @@ class RankWorker:
         """This node's address and a free port, for rank 0 to host the rendezvous."""
         return ray.util.get_node_ip_address(), free_port("")
 
-    def init_distributed(self, master_addr: str, master_port: int, tp: int, pp: int, seed: int) -> RankInfo:
-        """Initialise torch.distributed and Megatron's parallel state; report coordinates."""
+    def init_distributed(self, master_addr: str, master_port: int, tp: int, pp: int, seed: int,
+                         timeout_s: float = 1800.0) -> RankInfo:
+        """Initialise torch.distributed (collectives time out after `timeout_s`) and Megatron's parallel state;
+        report coordinates."""
         from megatron.core import parallel_state as mpu
 
         from megatron_workers import parallel
 
         parallel.init_distributed(
-            self.rank, self.world_size, master_addr, master_port, tp, pp, backend=self.backend, seed=seed
+            self.rank, self.world_size, master_addr, master_port, tp, pp, backend=self.backend, seed=seed,
+            timeout_minutes=timeout_s / 60,
         )
         return RankInfo(
             rank=self.rank,
@@ -124,6 +133,16 @@ class RankWorker:
 
         self.role = None
         parallel.destroy()
+
+
+def is_collective_error(e: BaseException) -> bool:
+    """A torch.distributed failure (timeout, broken peer): NCCL's DistError, gloo's RuntimeError from its sources."""
+    return isinstance(e, torch.distributed.DistError) or (isinstance(e, RuntimeError) and "third_party/gloo" in str(e))
+
+
+class RankFailure(RuntimeError):
+    """A Megatron rank died, or a call on it failed (e.g. a collective past its timeout); the message names the
+    role, the rank and what happened."""
 
 
 def split_batch(batch: Batch, dp: int, num_mini_batches: int = 1) -> list[Batch]:
@@ -179,10 +198,16 @@ class MegatronWorkerGroup:
         seed: int = 0,
         env_vars: Optional[dict[str, str]] = None,
         ready_timeout_s: float = 120.0,
+        name: str = "megatron",
+        collective_timeout_s: float = 1800.0,
     ) -> None:
+        """`name`: the role the group plays (actor, ref, critic), named in its errors; `collective_timeout_s`: the
+        ranks' torch.distributed timeout (trainer.collective_timeout_s)."""
         if not ray.is_initialized():
             raise RuntimeError("ray is not initialised: call ray.init(...) before MegatronWorkerGroup")
         self.layout = layout
+        self.name = name
+        self.ranks: list[RankInfo] = []
         if hf_config is not None:
             from megatron_workers.parallel import validate_layout
 
@@ -203,17 +228,19 @@ class MegatronWorkerGroup:
             runtime_env = dict(opts.get("runtime_env") or {})
             runtime_env["env_vars"] = {**env, **runtime_env.get("env_vars", {})}
             self._workers.append(remote_cls.options(**{**opts, "runtime_env": runtime_env}).remote(i, layout.world_size))
-        try:
-            addr, port = ray.get(self._workers[0].rendezvous_address.remote(), timeout=ready_timeout_s)
-        except ray.exceptions.GetTimeoutError:
+        # Every rank started before the rendezvous, which must finish within collective_timeout_s.
+        ready = [w.rendezvous_address.remote() for w in self._workers]
+        _, waiting = ray.wait(ready, num_returns=len(ready), timeout=ready_timeout_s)
+        if waiting:
             self._kill()
+            r = ready.index(waiting[0])
             raise RuntimeError(
-                f"Megatron rank 0 did not start within {ready_timeout_s:.0f}s: the Ray cluster cannot place it "
-                f"with {rank_options[0]}; place the ranks with recipe.placement, or free resources"
-            ) from None
-        self.ranks: list[RankInfo] = ray.get(
-            [w.init_distributed.remote(addr, port, layout.tp, layout.pp, seed) for w in self._workers]
-        )
+                f"Megatron rank {r} did not start within {ready_timeout_s:.0f}s: the Ray cluster cannot place it "
+                f"with {rank_options[r]}; place the ranks with recipe.placement, or free resources")
+        addr, port = ray.get(ready[0])
+        self.ranks = self._get(
+            [w.init_distributed.remote(addr, port, layout.tp, layout.pp, seed, collective_timeout_s)
+             for w in self._workers], "init_distributed")
         logger.info("started %d Megatron ranks (%s) at %s:%d", layout.world_size, layout, addr, port)
 
     @property
@@ -222,11 +249,11 @@ class MegatronWorkerGroup:
 
     def build(self, factory: Callable[[], Any]) -> None:
         """Build the role object on every rank: `factory` is pickled to each actor and called there."""
-        ray.get([w.build_role.remote(factory) for w in self._workers])
+        self._get([w.build_role.remote(factory) for w in self._workers], "build_role")
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `role.method(*args, **kwargs)` on every rank; results in rank order."""
-        return ray.get([w.call.remote(method, *args, **kwargs) for w in self._workers])
+        return self._get([w.call.remote(method, *args, **kwargs) for w in self._workers], method)
 
     def dispatch(self, method: str, batch: Batch, *, mini_batches: Optional[int] = None, **kwargs: Any) -> list[Any]:
         """Split `batch` over DP ranks, call `role.method(shard, **kwargs)` everywhere.
@@ -240,9 +267,48 @@ class MegatronWorkerGroup:
             kwargs["num_mini_batches"] = mini_batches
         shards = [ray.put(s) for s in split_batch(batch, self.layout.dp, mini_batches or 1)]
         futures = [w.call.remote(method, shards[info.dp_rank], **kwargs) for w, info in zip(self._workers, self.ranks)]
-        results = ray.get(futures)
+        results = self._get(futures, method)
         by_dp = {info.dp_rank: r for info, r in zip(self.ranks, results) if info.is_collector}
         return [by_dp[d] for d in range(self.layout.dp)]
+
+    def _get(self, refs: list[Any], method: str) -> list[Any]:
+        """Every rank's result of `method` (refs in rank order); RankFailure at the first rank that failed."""
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except Exception:  # noqa: BLE001 - named below, with the rank that failed
+                # A peer's death breaks the others' collectives at once: give them a moment to report, then
+                # name a dead rank before the ranks it left waiting.
+                ray.wait(pending, num_returns=len(pending), timeout=5.0)
+                failures = []
+                for rank, ref in enumerate(refs):
+                    try:
+                        ray.get(ref, timeout=0)
+                    except ray.exceptions.GetTimeoutError:
+                        continue
+                    except Exception as e:  # noqa: BLE001
+                        failures.append((not isinstance(e, ray.exceptions.RayActorError), rank, e))
+                _, rank, error = min(failures, key=lambda f: (f[0], f[1]))
+                cause = getattr(error, "cause", None) or error
+                if isinstance(error, ray.exceptions.RayActorError):
+                    raise RankFailure(f"{self._where(rank)} died during {method} ({type(error).__name__}); rerun "
+                                      "the same command to resume from the last checkpoint") from None
+                if is_collective_error(cause):
+                    first_line = (str(cause).strip().splitlines() or [""])[0][:300]
+                    raise RankFailure(f"{self._where(rank)} failed in {method}: {type(cause).__name__}: {first_line} "
+                                      "(a collective past trainer.collective_timeout_s, or a peer rank that died)"
+                                      ) from error
+                raise error  # the role's own error (its type kept by Ray), not a fault of the group
+        return ray.get(refs)
+
+    def _where(self, rank: int) -> str:
+        where = f"Megatron {self.name} rank {rank}"
+        if rank < len(self.ranks):
+            info = self.ranks[rank]
+            where += f" (tp {info.tp_rank}, pp {info.pp_rank}, dp {info.dp_rank})"
+        return where
 
     def shutdown(self) -> None:
         """Tear down process groups and kill the actors (their placement groups are the caller's)."""

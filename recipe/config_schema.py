@@ -181,6 +181,15 @@ class TrainerConfig:
     rollout_timeout_s: float | None = None
     """Wall-clock limit of one step's rollout: past it the agent loop is aborted and the step trains on what was
     sampled so far; None: no limit."""
+    max_failed_fraction: float = 0.5
+    """A step where more than this fraction of the trajectories ended in error (engine, interaction, tool-session
+    failures) is not trained on (logged and counted, `fault/skipped_steps`)."""
+    max_failed_steps: int = 3
+    """Steps in a row that train nothing (too many failed trajectories, or none with a sampled token) that stop the
+    run with a non-zero exit."""
+    collective_timeout_s: float = 1800.0
+    """Seconds a Megatron collective may wait for its peers (the torch.distributed process-group timeout) before it
+    fails and stops the run, naming the role and rank; a rank that dies stops it at once."""
     default_local_dir: str = "outputs/run"
     """Output directory: metrics.jsonl, wandb files, the tiny model (CPU preset), checkpoints (`global_step_<k>/`)."""
     save_freq: int = -1
@@ -213,6 +222,12 @@ class TrainerConfig:
         if self.peak_tflops_per_gpu is not None and self.peak_tflops_per_gpu <= 0:
             raise ConfigError(f"trainer.peak_tflops_per_gpu is {self.peak_tflops_per_gpu}; give the device's peak "
                               "TFLOPS (> 0), or null to look it up by GPU type")
+        if not 0 <= self.max_failed_fraction < 1:
+            raise ConfigError(f"trainer.max_failed_fraction is {self.max_failed_fraction}; it must lie in [0, 1)")
+        if self.max_failed_steps < 1:
+            raise ConfigError(f"trainer.max_failed_steps is {self.max_failed_steps}; it must be >= 1")
+        if self.collective_timeout_s <= 0:
+            raise ConfigError(f"trainer.collective_timeout_s is {self.collective_timeout_s}; it must be > 0")
         if self.rollout_timeout_s is not None and self.rollout_timeout_s <= 0:
             raise ConfigError(f"trainer.rollout_timeout_s is {self.rollout_timeout_s}; it must be > 0 (or null)")
         if self.test_freq == 0 or self.test_freq < -1:

@@ -26,6 +26,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_workers import cpu_compat
+from megatron_workers.worker_group import RankFailure
 from recipe import checkpoint
 from recipe.config_schema import PPOConfig, RayInitConfig, is_hub_id, refuse_unsupported_overrides
 from recipe.data.dataset import PromptBatch, RLDataset
@@ -35,7 +36,7 @@ from recipe.memory_plan import check_memory, driver_gpu_bytes
 from recipe.placement import Placement, PlacementPlan, plan_placement
 from recipe.reward import RewardFn
 from recipe.tracking import Tracking
-from recipe.trainer import Trainer, Workers, move_megatron_state
+from recipe.trainer import RunFailed, Trainer, Workers, move_megatron_state
 from recipe.validation import Validator, validation_loop
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,8 @@ def build_workers(cfg: PPOConfig, model_path: str, plan: PlacementPlan) -> Worke
     placement = Placement(plan)
 
     def group(role: str, cls: type, role_cfg, **kwargs) -> MegatronWorkerGroup:
-        g = MegatronWorkerGroup(layout, placement.rank_options(role), hf_config=hf_config, seed=cfg.trainer.seed)
+        g = MegatronWorkerGroup(layout, placement.rank_options(role), hf_config=hf_config, seed=cfg.trainer.seed,
+                                name=role, collective_timeout_s=cfg.trainer.collective_timeout_s)
         placement.check_ranks(role, [info.gpu_ids for info in g.ranks])
         g.build(functools.partial(cls, model_path, role_cfg, **kwargs))
         return g
@@ -186,13 +188,21 @@ def run(cfg: PPOConfig, config_dict: dict | None = None) -> None:
         ray.shutdown()  # a joined cluster keeps running; this process only disconnects
 
 
+# A fault that stopped a run (recipe.trainer, megatron_workers.worker_group): one line, exit 1.
+RUN_FAULTS = (RunFailed, RankFailure)
+
+
 @hydra.main(config_path="config", config_name="ppo_trainer", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     """Hydra entry: validate the config, then `run`."""
     cpu_compat.apply_cpu_compat()  # this process's start (it imports the Megatron worker classes)
     setup_logging()  # keeps Hydra's log file handler; filters third-party import noise
     config_dict = OmegaConf.to_container(cfg, resolve=True)
-    run(PPOConfig.from_dict(config_dict), config_dict)
+    try:
+        run(PPOConfig.from_dict(config_dict), config_dict)
+    except RUN_FAULTS as err:  # a fault that stopped the run: one line, exit 1 (details logged above it)
+        print(f"polyturn: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

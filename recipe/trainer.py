@@ -26,6 +26,14 @@ Where it departs from verl's `RayPPOTrainer.fit`:
 - The rollout runs on one persistent asyncio loop owned by the trainer (tools keep per-loop state).
   A rollout past `trainer.rollout_timeout_s`, or one still running when the trainer closes, is
   aborted (`AgentLoop.abort`); the step trains on what was sampled.
+- Faults (README "Faults"): after every rollout each engine answers a one-token health probe;
+  a dead engine (actor died, or probe past `rollout.engine_health_timeout_s`) is restarted on its
+  bundle, synced to the current weight version with the checksum check, and only then routed to
+  again; its trajectories were retried on live engines by the agent loop. An engine dying with no
+  restart left (`rollout.max_engine_restarts`) aborts the rollout and stops the run (`RunFailed`).
+  A step with more than `trainer.max_failed_fraction` of its trajectories in error, or none
+  trainable, is not trained on; `trainer.max_failed_steps` such steps in a row stop the run.
+  `fault/*` metrics count restarts, retries and skipped steps since the process started.
 - ReMax's baseline is a greedy rollout of each prompt through the same agent loop (tools and
   interactions included), rewarded like the samples; it is not trained on.
 - `training/rollout_probs_diff_{mean,max,std}` (verl's names) watch the gap between the engine's
@@ -66,11 +74,17 @@ from recipe.reward import RewardFn, RewardTerms, policy_text
 from recipe.tracking import Tracking
 from recipe.validation import TABLE_COLUMNS, Validator, trajectory_records, write_jsonl
 from rollout.agent_loop import AgentLoop, RolloutPrompt, rollout_metrics
-from rollout.trajectory import Trajectory
+from rollout.engines.base import EngineDeadError
+from rollout.trajectory import FinishReason, Trajectory
 
 logger = logging.getLogger(__name__)
 
 Batch = dict[str, torch.Tensor]
+
+
+class RunFailed(RuntimeError):
+    """The run cannot go on (an engine died with no restart left, or too many steps in a row trained nothing);
+    the message is one line naming what failed and the key that allows more."""
 
 
 @dataclass
@@ -174,6 +188,12 @@ class Trainer:
         self.total_steps = cfg.total_steps(batches_per_epoch)
         self.mfu = mfu  # perf/mfu/actor (recipe.flops); None: the device's peak FLOPs are unknown (e.g. a CPU)
         self._loop = asyncio.new_event_loop()
+        self.engine_restarts = [0] * len(agent_loop.router.engines)  # restarts so far, per engine
+        self.faults = {"fault/engine_restarts": 0.0, "fault/retried_trajectories": 0.0, "fault/skipped_steps": 0.0}
+        self.failed_steps_in_row = 0  # steps in a row that trained nothing
+        self._fatal: RunFailed | None = None  # an engine died with no restart left: raised once the rollout ends
+        self._aborting: asyncio.Future | None = None
+        agent_loop.router.on_dead = self._engine_died
 
     def fit(self, batches: Iterator[PromptBatch]) -> None:
         """Run the configured number of steps (step numbers start at 1), from the step after `global_step` (set by
@@ -196,6 +216,7 @@ class Trainer:
         timer = Timer()
         with timer("validation"):
             result = self._loop.run_until_complete(self.validator.run(step))
+        self._raise_if_fatal()
         metrics = {**result.metrics, **timer.metrics}
         self.tracker.log(metrics, step)
         if result.table:
@@ -257,11 +278,12 @@ class Trainer:
             with timer("rollout"):
                 rolled = self._rollout(prompts.prompts, seed=self._rollout_seed(step))
             rollout_m = {**rollout_metrics(rolled), **self.agent_loop.instance_metrics()}
+            rollout_m["fault/failed_fraction"] = sum(t.finish_reason is FinishReason.ERROR for t in rolled) \
+                / max(len(rolled), 1)
             trajs = trainable(rolled, self.row_multiple)
-            if not trajs:
-                logger.warning("step %d: no trajectory with a sampled token; skipping the update", step)
-                self.tracker.log({**rollout_m, **timer.metrics}, step)
-                return rollout_m
+            if rollout_m["fault/failed_fraction"] > self.cfg.trainer.max_failed_fraction or not trajs:
+                return self._skip_step(step, rolled, {**rollout_m, **timer.metrics})
+            self.failed_steps_in_row = 0
             batch = collate(trajs, self.agent_loop.pad_token_id)
             with timer("reward"):
                 terms = self.reward_fn.terms(trajs)
@@ -303,7 +325,7 @@ class Trainer:
                 sync_metrics = self.sync_weights()
             self._engines_memory("resume_memory_occupation", tags=["kv_cache", "cuda_graph"])
         metrics = {**rollout_m, **actor_metrics, **critic_metrics, **kl_metrics, **probs_diff, **sync_metrics,
-                   **timer.metrics,
+                   **timer.metrics, **self.faults,
                    **self._data_metrics(batch, token_rewards, terms, trajs, len(rolled) - len(trajs))}
         metrics["perf/tokens_per_s"] = float(batch["attention_mask"].sum()) / timer.metrics["timing/step_s"]
         metrics["perf/time_per_step"] = timer.metrics["timing/step_s"]
@@ -325,8 +347,75 @@ class Trainer:
     # ---- pieces of a step ----------------------------------------------------------------
 
     def _rollout(self, prompts: list[RolloutPrompt], greedy: bool = False, seed: int | None = None) -> list[Trajectory]:
-        return self._loop.run_until_complete(
+        """The agent loop's rollout of `prompts`, then every engine probed and the dead ones restarted."""
+        trajs = self._loop.run_until_complete(
             rollout_with_timeout(self.agent_loop, prompts, self.cfg.trainer.rollout_timeout_s, greedy, seed))
+        self.faults["fault/retried_trajectories"] += self.agent_loop.retried
+        self._heal_engines()
+        return trajs
+
+    # ---- faults ------------------------------------------------------------------------
+
+    def _engine_died(self, idx: int, error: EngineDeadError) -> None:
+        """The router's `on_dead` (in the rollout's event loop): with no restart left, abort the rollout now."""
+        allowed = self.cfg.actor_rollout_ref.rollout.max_engine_restarts
+        if self.engine_restarts[idx] < allowed or self._fatal is not None:
+            return
+        used = f"all {allowed} restarts used" if allowed else "restarts are off"
+        self._fatal = RunFailed(f"{error}; {used} (actor_rollout_ref.rollout.max_engine_restarts={allowed}): "
+                                "stopping the run")
+        self._aborting = asyncio.ensure_future(self.agent_loop.abort())
+
+    def _raise_if_fatal(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+
+    def _heal_engines(self) -> None:
+        """Probe every engine; restart each dead one on its bundle, then sync it to the current weight version
+        with the checksum check before the router uses it again (RunFailed when it has no restart left)."""
+        router, r = self.agent_loop.router, self.cfg.actor_rollout_ref.rollout
+        self._raise_if_fatal()
+        self._loop.run_until_complete(router.probe(r.engine_health_timeout_s))
+        self._raise_if_fatal()
+        dead = sorted(router.dead)
+        if not dead:
+            return
+        engines = [router.engines[i] for i in dead]
+        for idx, engine in zip(dead, engines):
+            self.engine_restarts[idx] += 1
+            self.faults["fault/engine_restarts"] += 1
+            logger.warning("%s; restarting it (restart %d of actor_rollout_ref.rollout.max_engine_restarts=%d)",
+                           router.dead[idx], self.engine_restarts[idx], r.max_engine_restarts)
+            try:
+                engine.restart()
+            except Exception as e:
+                raise RunFailed(f"engine {engine.name}: restart failed: {type(e).__name__}: {e}") from e
+        self.workers.weight_sync.forget_groups(engines)
+        self.workers.weight_sync.sync(self.weight_version, check=True)
+        for idx, engine in zip(dead, engines):
+            router.revive(idx)
+            logger.warning("engine %s restarted, synced to weight version %d and checked", engine.name,
+                           self.weight_version)
+
+    def _skip_step(self, step: int, rolled: list[Trajectory], metrics: dict[str, float]) -> dict[str, float]:
+        """Log a step that trains nothing; RunFailed when it is the trainer.max_failed_steps-th in a row."""
+        t = self.cfg.trainer
+        self.failed_steps_in_row += 1
+        self.faults["fault/skipped_steps"] += 1
+        failed = metrics["fault/failed_fraction"]
+        reason = (f"{failed:.0%} of its trajectories ended in error (more than trainer.max_failed_fraction="
+                  f"{t.max_failed_fraction})" if failed > t.max_failed_fraction else "no trajectory with a sampled token")
+        errors = [x.error for x in rolled if x.finish_reason is FinishReason.ERROR and x.error]
+        logger.warning("step %d: %s; not training on it (%d such step(s) in a row of trainer.max_failed_steps=%d)%s",
+                       step, reason, self.failed_steps_in_row, t.max_failed_steps,
+                       f"; first error: {errors[0]}" if errors else "")
+        metrics = {**metrics, **self.faults}
+        self.tracker.log(metrics, step)
+        if self.failed_steps_in_row >= t.max_failed_steps:
+            raise RunFailed(f"{self.failed_steps_in_row} steps in a row trained nothing (step {step}: {reason}"
+                            f"{'; first error: ' + errors[0] if errors else ''}); stopping the run "
+                            f"(trainer.max_failed_steps={t.max_failed_steps})")
+        return metrics
 
     def _rollout_seed(self, step: int) -> int | None:
         """The agent loop's seed for step `step` (a function of trainer.seed and the step only, so a resumed run

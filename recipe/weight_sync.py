@@ -109,20 +109,22 @@ class WeightSync:
                     ", ".join(f"stage {s} at {g['address']}:{g['port']}" for s, g in groups.items()))
         return self._groups
 
-    def sync(self, version: int) -> dict[str, float]:
+    def sync(self, version: int, *, check: bool | None = None) -> dict[str, float]:
         """Push the actor's weights into every engine under `version`; returns `weight_sync/*` metrics.
 
-        Raises WeightSyncError (with check=True) naming any engine tensor that differs from the sender's.
+        Raises WeightSyncError (with check=True; `check` None: the constructor's) naming any engine tensor that
+        differs from the sender's.
         """
+        check = self.check if check is None else check
         t0 = time.perf_counter()
-        plan = {"bucket_bytes": self.bucket_bytes, "dtype": self.engine_dtype, "checksums": self.check,
+        plan = {"bucket_bytes": self.bucket_bytes, "dtype": self.engine_dtype, "checksums": check,
                 "key": f"v{version}-{uuid.uuid4().hex[:8]}", "engines": [e.handle for e in self.engines]}
         if self.mode == "disk":
             path = self.disk_dir or tempfile.mkdtemp(prefix="polyturn-wsync-")
             self.group.call_all("export_hf", path)
             t_send = time.perf_counter()
             self._each_engine("update_weights_from_disk", path, weight_version=version)
-            results = self.group.call_all("send_weights", {**plan, "mode": "stats"}) if self.check else []
+            results = self.group.call_all("send_weights", {**plan, "mode": "stats"}) if check else []
             send_s = time.perf_counter() - t_send
         else:
             if self.mode == "distributed":
@@ -152,7 +154,7 @@ class WeightSync:
             "weight_sync/buckets": float(sum(r["buckets"] for r in sent)),
             "weight_sync/peak_extra_mb": max((r["peak_extra_bytes"] for r in sent), default=0.0) / 2**20,
         }
-        if self.check:
+        if check:
             t_check = time.perf_counter()
             self.expected = {k: v for r in sent for k, v in r["stats"].items()}
             self.verify()
@@ -172,6 +174,17 @@ class WeightSync:
                     f"engine {engine.name} serves {len(bad)} tensor(s) that differ from the trainer's after the "
                     f"sync (stale or corrupted): {'; '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; "
                     "stop and check the weight-sync path (rollout.update_weights_mode)")
+
+    def forget_groups(self, restarted: list[EngineClient]) -> None:
+        """After `restarted` engines were restarted (fresh actors, in no process group): tear down the distributed
+        path's groups on the senders and the other engines, so that the next sync makes them anew."""
+        if self._groups is None:
+            return
+        live = [e for e in self.engines if e not in restarted]
+        for name in self._groups.values():
+            ray.get([e.handle.call.remote("destroy_weights_update_group", name) for e in live])
+        self.group.call_all("destroy_weight_sync_groups")
+        self._groups = None
 
     def close(self) -> None:
         """Tear down the distributed path's process groups (engines and senders)."""

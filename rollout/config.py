@@ -128,6 +128,16 @@ class RolloutConfig:
     (batch-invariant kernels on GPUs; row-by-row matrix products on CPU)."""
     check_weights: bool = False
     """After each sync, compare a checksum per tensor on both sides; a stale or corrupted tensor stops the run."""
+    max_engine_restarts: int = 3
+    """Restarts allowed per engine over the run: a dead engine (its actor died, or a health probe went unanswered)
+    is restarted on its own bundle, synced to the current weights and checked before it serves again; one more
+    death stops the run (non-zero exit naming the engine). 0: the first death stops the run."""
+    max_trajectory_retries: int = 1
+    """Times a trajectory whose engine died is started over on an engine still alive (fresh tool instances and
+    interaction); past it, it ends in error."""
+    engine_health_timeout_s: float = 60.0
+    """Seconds an engine has to answer the one-token health probe the trainer sends every engine after each
+    rollout; past it the engine counts as dead and is restarted."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Multi-turn limits, tool-call format and plug-in configs."""
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
@@ -144,6 +154,11 @@ class RolloutConfig:
         for key in ("n", "response_length", "tensor_model_parallel_size", "update_weights_bucket_megabytes"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{p}.{key} is {getattr(self, key)}; it must be >= 1")
+        for key in ("max_engine_restarts", "max_trajectory_retries"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{p}.{key} is {getattr(self, key)}; it must be >= 0")
+        if self.engine_health_timeout_s <= 0:
+            raise ValueError(f"{p}.engine_health_timeout_s is {self.engine_health_timeout_s}; it must be > 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"{p}.max_model_len is {self.max_model_len}; it must be >= 2 (or null)")
         if self.temperature < 0:

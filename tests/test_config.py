@@ -60,6 +60,9 @@ trainer.default_local_dir trainer.experiment_name trainer.logger trainer.n_gpus_
 trainer.project_name trainer.rollout_timeout_s trainer.seed trainer.total_training_steps
 trainer.save_freq trainer.resume_mode trainer.resume_from_path trainer.max_actor_ckpt_to_keep
 trainer.peak_tflops_per_gpu
+actor_rollout_ref.rollout.max_engine_restarts actor_rollout_ref.rollout.max_trajectory_retries
+actor_rollout_ref.rollout.engine_health_timeout_s trainer.max_failed_fraction trainer.max_failed_steps
+trainer.collective_timeout_s
 """.split()
 
 

@@ -1,6 +1,8 @@
 """MegatronWorkerGroup: batch splitting, layout refusals before any actor starts, rank wiring."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -88,6 +90,20 @@ class Probe:
     def echo(self, shard: dict) -> dict:
         return shard
 
+    def all_reduce(self, skip_rank: int = -1, exit_rank: int = -1) -> float:
+        """An all-reduce that rank `skip_rank` never joins (it returns) and rank `exit_rank` dies in."""
+        import os
+
+        import torch.distributed as dist
+
+        if dist.get_rank() == exit_rank:
+            os._exit(1)
+        if dist.get_rank() == skip_rank:
+            return 0.0
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        return float(t)
+
 
 @pytest.mark.integration
 def test_group_wires_ranks_and_dispatches_by_dp_rank(ray_cluster):
@@ -114,3 +130,32 @@ def test_group_wires_ranks_and_dispatches_by_dp_rank(ray_cluster):
         assert torch.equal(concat_results(out)["x"], batch["x"])
     finally:
         group.shutdown()
+
+
+@pytest.mark.integration
+def test_a_hung_collective_or_a_dead_rank_stops_the_call_naming_role_and_rank(ray_cluster):
+    """Contract (faults): a collective one rank never joins fails past collective_timeout_s, and a rank that dies
+    mid-call fails the call at once; both as RankFailure naming the group's role, the rank and its coordinates (the
+    dead rank, not the peer it left waiting); shutdown then frees every actor; a role's own error keeps its type."""
+    import ray
+
+    from megatron_workers.worker_group import MegatronWorkerGroup, RankFailure
+
+    group = MegatronWorkerGroup(ParallelLayout(tp=2), name="actor", collective_timeout_s=8)
+    try:
+        group.build(Probe)
+        assert group.call_all("all_reduce") == [2.0, 2.0]
+        with pytest.raises(TypeError, match="echo"):
+            group.call_all("echo")  # missing argument: the role's error, not a fault
+        with pytest.raises(RankFailure, match=r"Megatron actor rank 0 \(tp 0, pp 0, dp 0\) failed in all_reduce: "
+                                              r"RuntimeError: .*Timed out"):
+            group.call_all("all_reduce", skip_rank=1)
+        with pytest.raises(RankFailure, match=r"Megatron actor rank 1 \(tp 1, pp 0, dp 0\) died during all_reduce"):
+            group.call_all("all_reduce", exit_rank=1)
+    finally:
+        group.shutdown()
+    for _ in range(120):  # ray.kill frees an actor's resources asynchronously
+        if ray.available_resources().get("CPU") == 2:
+            break
+        time.sleep(0.5)
+    assert ray.available_resources().get("CPU") == 2  # no rank left behind

@@ -44,3 +44,16 @@ class RolloutEngine(Protocol):
     def num_inflight(self) -> int:
         """Requests currently running on this engine (for least-loaded routing)."""
         ...
+
+
+class EngineDeadError(RuntimeError):
+    """An engine stopped serving: its process died, or it did not answer a health probe in time.
+
+    Raised by an engine's `generate` (and its health probe); the router marks the engine dead and the agent loop
+    retries the trajectory on an engine still alive. `engine` is the engine's name.
+    """
+
+    def __init__(self, engine: str, what: str) -> None:
+        super().__init__(f"engine {engine}: {what}")
+        self.engine = engine
+        self.what = what

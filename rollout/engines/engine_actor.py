@@ -11,6 +11,11 @@ Ray actor handle) is plain data: the trainer hands it to Megatron ranks, which c
 methods (`update_weights_from_serialized`, `update_weights_from_distributed`, ...) by name, so
 weight buckets go straight from the training ranks to the engine, never through the driver.
 
+Faults: a dead engine actor turns every call into `EngineDeadError` naming the engine (its `generate`
+raises it, so the agent loop can retry elsewhere); `restart` starts a fresh actor with the same options (so on the same placement-group
+bundle) and swaps it in under the same `EngineClient`, which every holder of it (router, weight sync)
+then reaches. It serves weight version 0 until the trainer syncs it.
+
 Where it departs from verl: the driver never imports SGLang; the weight version an engine serves
 is read back from the actor after each sync, not tracked on the driver's side.
 """
@@ -24,7 +29,7 @@ from typing import Any
 
 import ray
 
-from rollout.engines.base import GenerateResult
+from rollout.engines.base import EngineDeadError, GenerateResult
 
 logger = logging.getLogger(__name__)
 
@@ -103,12 +108,13 @@ def engine_runtime_env(ray_options: dict[str, Any]) -> dict[str, Any]:
 class EngineClient:
     """Driver-side handle of one engine actor; a `RolloutEngine`."""
 
-    def __init__(self, name: str, handle: Any, state: dict[str, int]) -> None:
+    def __init__(self, name: str, handle: Any, state: dict[str, int], launch_args: dict[str, Any] | None = None) -> None:
         self.name = name
         self.handle = handle  # the Ray actor handle: plain data for the Megatron sender ranks
         self.tp_size = state["tp_size"]
         self._weight_version = state["weight_version"]
         self._inflight = 0
+        self._launch_args = launch_args  # `launch`'s arguments, for `restart`; None: not restartable
 
     @classmethod
     def launch(cls, model_path: str, *, name: str, ray_options: dict[str, Any] | None = None,
@@ -119,7 +125,14 @@ class EngineClient:
         num_gpus, resources, runtime_env); `engine_kwargs` are `sglang.Engine` kwargs (tp_size,
         base_gpu_id, dtype, max_total_tokens, random_seed, ...).
         """
-        opts = dict(ray_options or {})
+        args = {"model_path": model_path, "ray_options": dict(ray_options or {}), "weight_version": weight_version,
+                "ready_timeout_s": ready_timeout_s, "engine_kwargs": engine_kwargs}
+        return cls(name, *cls._start(name, **args), launch_args=args)
+
+    @staticmethod
+    def _start(name: str, *, model_path: str, ray_options: dict[str, Any], weight_version: int,
+               ready_timeout_s: float, engine_kwargs: dict[str, Any]) -> tuple[Any, dict[str, int]]:
+        opts = dict(ray_options)
         opts["runtime_env"] = engine_runtime_env(opts)
         opts.setdefault("num_cpus", 0)
         opts.setdefault("max_concurrency", 1000)  # concurrent generate calls on the actor's event loop
@@ -130,7 +143,21 @@ class EngineClient:
             ray.kill(handle)
             raise
         logger.info("engine %s ready (tp_size=%d)", name, state["tp_size"])
-        return cls(name, handle, state)
+        return handle, state
+
+    def restart(self) -> None:
+        """Kill this engine's actor (whatever state it is in) and start a fresh one with the same options, so on
+        the same placement-group bundle; it serves the weights it was launched from (weight version as launched)
+        until the caller syncs it."""
+        if self._launch_args is None:
+            raise RuntimeError(f"engine {self.name} was not started by EngineClient.launch and cannot be restarted")
+        try:
+            ray.kill(self.handle)  # frees its bundle; SGLang's subprocesses end with their parent
+        except Exception:  # noqa: BLE001 - an actor already gone has nothing to kill
+            logger.debug("engine %s: kill of the old actor failed", self.name, exc_info=True)
+        logger.warning("engine %s: restarting on its bundle", self.name)
+        self.handle, state = self._start(self.name, **self._launch_args)
+        self.tp_size, self._weight_version, self._inflight = state["tp_size"], state["weight_version"], 0
 
     # -- the RolloutEngine seam ---------------------------------------------------------------
 
@@ -146,6 +173,8 @@ class EngineClient:
         self._inflight += 1
         try:
             return await self.handle.generate.remote(list(input_ids), dict(sampling_params), request_id)
+        except ray.exceptions.RayActorError as e:
+            raise EngineDeadError(self.name, f"its actor died during request {request_id} ({type(e).__name__})") from e
         finally:
             self._inflight -= 1
 

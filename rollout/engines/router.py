@@ -6,6 +6,12 @@ count); every later turn of that trajectory goes to the same engine, whose radix
 holds the conversation's prefix. The router also remembers every request in flight so that
 `abort_all` can stop them all, on whichever engine they run.
 
+An engine whose `generate` raises `EngineDeadError` is marked dead: no request is routed to it
+until `revive` (after its restart); `on_dead`, when set, is told once per death (the trainer
+decides there whether the engine can be restarted). With every engine dead, routing raises
+`EngineDeadError` at once instead of waiting. `probe` sends every engine a one-token request
+under a timeout and marks the ones that fail it dead.
+
 Departs from a plain round-robin load balancer: stickiness is per trajectory (not per
 prompt), because the `n` samples of one prompt diverge after the first turn and spreading
 them balances load better than keeping them together.
@@ -14,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
+from collections.abc import Callable
 from typing import Any
 
-from rollout.engines.base import GenerateResult, RolloutEngine
+from rollout.engines.base import EngineDeadError, GenerateResult, RolloutEngine
 
 logger = logging.getLogger(__name__)
 
@@ -31,14 +39,52 @@ class EngineRouter:
         self._inflight = [0] * len(self.engines)  # requests in flight per engine, counted by the router
         self._sticky: dict[str, int] = {}  # trajectory uid -> engine index
         self._requests: dict[str, int] = {}  # request id in flight -> engine index
+        self.dead: dict[int, EngineDeadError] = {}  # engine index -> what killed it (until `revive`)
+        self.on_dead: Callable[[int, EngineDeadError], None] | None = None  # told once per death
 
     def engine_for(self, trajectory_uid: str) -> int:
         """Index of the engine serving `trajectory_uid` (chosen least-loaded on first use)."""
         idx = self._sticky.get(trajectory_uid)
-        if idx is None:
-            idx = min(range(len(self.engines)), key=lambda i: (self._inflight[i], self._assigned(i)))
+        if idx is None or idx in self.dead:
+            live = [i for i in range(len(self.engines)) if i not in self.dead]
+            if not live:
+                raise EngineDeadError("(all)", "every engine is dead: " + "; ".join(map(str, self.dead.values())))
+            idx = min(live, key=lambda i: (self._inflight[i], self._assigned(i)))
             self._sticky[trajectory_uid] = idx
         return idx
+
+    def mark_dead(self, idx: int, error: EngineDeadError) -> None:
+        """Route nothing more to engine `idx`; tell `on_dead` (once per death)."""
+        if idx in self.dead:
+            return
+        logger.error("%s; routing around it", error)
+        self.dead[idx] = error
+        if self.on_dead is not None:
+            self.on_dead(idx, error)
+
+    def has_live(self) -> bool:
+        """Whether some engine is not marked dead."""
+        return len(self.dead) < len(self.engines)
+
+    async def probe(self, timeout_s: float) -> None:
+        """Health probe: every engine not already marked dead generates one token within `timeout_s` seconds, or
+        is marked dead (a dead actor, or a scheduler that no longer answers)."""
+        async def one(idx: int) -> None:
+            engine = self.engines[idx]
+            try:
+                await asyncio.wait_for(engine.generate([0], {"max_new_tokens": 1, "temperature": 0.0},
+                                                       f"health-{uuid.uuid4().hex}"), timeout_s)
+            except TimeoutError:
+                self.mark_dead(idx, EngineDeadError(engine.name, f"no answer to a health probe within {timeout_s:g} s "
+                                                                 "(actor_rollout_ref.rollout.engine_health_timeout_s)"))
+            except EngineDeadError as e:
+                self.mark_dead(idx, e)
+
+        await asyncio.gather(*(one(i) for i in range(len(self.engines)) if i not in self.dead))
+
+    def revive(self, idx: int) -> None:
+        """Engine `idx` serves again (restarted and synced)."""
+        self.dead.pop(idx, None)
 
     def _assigned(self, i: int) -> int:
         return sum(1 for v in self._sticky.values() if v == i)
@@ -52,10 +98,14 @@ class EngineRouter:
         self._requests[request_id] = idx
         try:
             return await self.engines[idx].generate(input_ids, sampling_params, request_id)
+        except EngineDeadError as e:
+            self.mark_dead(idx, e)
+            raise
         except asyncio.CancelledError:
             # The caller gave up (abort): stop the engine's work too, not just our wait for it.
             try:
-                await asyncio.shield(self.engines[idx].abort(request_id))
+                if idx not in self.dead:
+                    await asyncio.shield(self.engines[idx].abort(request_id))
             except Exception:  # noqa: BLE001 - the abort is best effort; the cancellation goes on
                 logger.exception("aborting request %s on engine %s failed", request_id, self.engines[idx].name)
             raise
@@ -68,7 +118,8 @@ class EngineRouter:
         pending = list(self._requests.items())
         if pending:
             logger.info("aborting %d in-flight engine requests", len(pending))
-        await asyncio.gather(*(self.engines[i].abort(rid) for rid, i in pending), return_exceptions=True)
+        await asyncio.gather(*(self.engines[i].abort(rid) for rid, i in pending if i not in self.dead),
+                             return_exceptions=True)
 
     def release(self, trajectory_uid: str) -> None:
         """Forget a finished trajectory's engine (its next use is routed afresh)."""

@@ -68,9 +68,9 @@ def render(record: dict[str, Any], tokenizer: Any, *, color: bool, tokens: bool 
     ids, mask, logprobs = record["response_ids"], record["response_mask"], record["rollout_logprobs"]
     rewards = record.get("rewards", {})
     lines = [
-        f"uid {record['uid']}  step {record['step']}  data_source {record.get('data_source')}  "
-        f"finish {record.get('finish_reason')}  reward {rewards.get('total')}  "
-        f"weight versions {record.get('weight_versions')}",
+        (f"uid {record['uid']}  step {record['step']}  data_source {record.get('data_source')}  "
+         f"finish {record.get('finish_reason')}  reward {rewards.get('total')}  "
+         f"weight versions {record.get('weight_versions')}"),
         f"prompt {len(record['prompt_ids'])} tokens, response {len(ids)} tokens, {sum(mask)} sampled (mask 1)",
         "segments: " + " ".join(_paint(LABELS[k], k, color) for k in COLORS),
         _paint(f"--- prompt [{len(record['prompt_ids'])} tokens, mask 0]", "prompt", color),

@@ -45,8 +45,8 @@ def test_hydra_log_file_gets_the_whole_log_and_import_noise_is_filtered(tmp_path
     app.write_text(APP)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("PYTHONWARNINGS", None)
-    out = subprocess.run([sys.executable, str(app), f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True,
-                         text=True, env=env, cwd=tmp_path, timeout=120)
+    out = subprocess.run([sys.executable, str(app), f"hydra.run.dir={tmp_path / 'run'}"], check=False,
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
     log = (tmp_path / "run" / "app.log").read_text()
     assert "INFO polyturn.test: first line" in log and "INFO polyturn.test: last line" in log

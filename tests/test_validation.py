@@ -79,7 +79,7 @@ def test_fit_validates_before_training_every_test_freq_and_after_the_last_step(t
 
     val = tmp_path / "val.parquet"
     val.write_bytes(b"")  # validation only checks that the file exists
-    trainer, events = make_trainer(tmp_path, [
+    trainer, _ = make_trainer(tmp_path, [
         f"data.val_files=[{val}]", "trainer.test_freq=2", "trainer.val_before_train=true",
         "trainer.total_training_steps=3", f"trainer.validation_data_dir={tmp_path / 'val'}",
         f"trainer.rollout_data_dir={tmp_path / 'rollout'}", "trainer.log_val_generations=1"], colocated=False)

@@ -26,6 +26,15 @@ timeout on every call, open/close counted, close guaranteed by `session()` (also
 cancellation). `rollout.tools` and `rollout.interactions` add only what differs (tool limits
 and response shapes; interaction turns).
 
+verl's class paths for what polyturn ships resolve through ONE table, `VERL_ALIASES` (so
+verl's YAML loads unchanged, verl installed or not); any other `verl.*` path imports from verl
+when it is installed, and otherwise fails naming the table.
+
+Tool methods get their `tools_kwargs` in the shape their signature asks for, read once at load
+(`kwargs_shape`): a method with `**kwargs` gets both the keys flat and the same dict under
+`create_kwargs=` / `execute_kwargs=` / `calc_reward_kwargs=` / `release_kwargs=` (verl's tools
+read either); otherwise the nested dict when it names that parameter, else the keys flat.
+
 Departs from verl: every mistake in a config is refused at load, naming the entry and the fix
 (verl fails at the first call); plug-in failures and timeouts are data, never exceptions.
 """
@@ -34,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.util
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -50,10 +60,45 @@ class PluginConfigError(ValueError):
     """A plug-in YAML entry, or a sample's plug-in selection, is wrong; the message names it and the fix."""
 
 
+# verl's dotted paths -> polyturn's counterparts (used whether or not verl is installed).
+VERL_ALIASES: dict[str, str] = {
+    "verl.tools.base_tool.BaseTool": "rollout.tools.base.BaseTool",
+    "verl.tools.gsm8k_tool.Gsm8kTool": "rollout.tools.gsm8k_tool.Gsm8kTool",
+    # MCP tools: one tool per server tool; results are the server's text (no search-result reformatting)
+    "verl.tools.mcp_base_tool.MCPBaseTool": "rollout.tools.mcp_tool.MCPTool",
+    "verl.tools.mcp_search_tool.MCPSearchTool": "rollout.tools.mcp_tool.MCPTool",
+    **{f"verl.tools.schemas.{name}": f"rollout.tools.schemas.{name}" for name in (
+        "OpenAIFunctionPropertySchema", "OpenAIFunctionParametersSchema", "OpenAIFunctionSchema",
+        "OpenAIFunctionToolSchema", "OpenAIFunctionParsedSchema", "OpenAIFunctionCallSchema",
+        "OpenAIFunctionToolCall", "ToolResponse")},
+    "verl.interactions.base.BaseInteraction": "rollout.interactions.base.BaseInteraction",
+    "verl.interactions.gsm8k_interaction.Gsm8kInteraction": "rollout.interactions.gsm8k.Gsm8kInteraction",
+    "verl.utils.rollout_trace.rollout_trace_op": "rollout.tracing.rollout_trace_op",
+    "verl.utils.reward_score.gsm8k.compute_score": "recipe.reward.gsm8k.compute_score",
+}
+
+# The GSM8K scorer the gsm8k tool and interaction use when their config names none (verl's
+# `config: {type: native}` / `config: {}`): the recipe's, by path, so rollout imports no recipe code.
+GSM8K_SCORE_FN = "recipe.reward.gsm8k.compute_score"
+
+
+def _verl_installed() -> bool:
+    return importlib.util.find_spec("verl") is not None
+
+
 def import_object(dotted: Any, where: str) -> Any:
-    """Import `package.module.Name`; errors name `where` (e.g. `tools.yaml: tools[2].class_name`)."""
+    """Import `package.module.Name` (verl's paths through `VERL_ALIASES`); errors name `where`
+    (e.g. `tools.yaml: tools[2].class_name`)."""
     if not isinstance(dotted, str) or "." not in dotted:
         raise PluginConfigError(f"{where}: expected a dotted path like 'package.module.Name', got {dotted!r}")
+    if dotted in VERL_ALIASES:
+        logger.debug("%s: %s resolves to polyturn's %s", where, dotted, VERL_ALIASES[dotted])
+        dotted = VERL_ALIASES[dotted]
+    elif dotted.startswith("verl.") and not _verl_installed():
+        raise PluginConfigError(
+            f"{where}: {dotted} is a verl path with no polyturn counterpart and verl is not installed. "
+            f"polyturn's counterparts of verl's classes are listed in rollout.plugins.VERL_ALIASES: "
+            f"{sorted(VERL_ALIASES)}; use one of those, your own class, or install verl")
     module_name, _, attr = dotted.rpartition(".")
     try:
         module = importlib.import_module(module_name)
@@ -85,7 +130,13 @@ def read_entries(source: str | Path | dict[str, Any], key: str) -> tuple[list[di
         path = Path(source)
         if not path.is_file():
             raise PluginConfigError(f"config file {path} does not exist; pass a YAML file with a '{key}:' list")
-        data, label, base = yaml.safe_load(path.read_text()) or {}, str(path), path.parent
+        try:
+            data, label, base = yaml.safe_load(path.read_text()) or {}, str(path), path.parent
+        except yaml.YAMLError as err:  # name the file: PyYAML says only "<unicode string>"
+            mark = getattr(err, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark is not None else ""
+            raise PluginConfigError(f"{path}:{where} is not valid YAML ({getattr(err, 'problem', None) or err}); "
+                                    "fix the file") from err
     if not isinstance(data, dict) or not isinstance(data.get(key), list):
         raise PluginConfigError(f"{label}: expected a top-level '{key}:' list")
     for i, entry in enumerate(data[key]):
@@ -140,6 +191,39 @@ def call_accepting(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             continue
         return fn(*a, **kw)
     return fn(*args, **kwargs)  # raises the TypeError that names the mismatch
+
+
+def kwargs_shape(fn: Callable[..., Any], fixed: tuple[str, ...], nested: str, where: str) -> str:
+    """How `fn` takes a sample's kwargs for one call, read from its signature: "both" (it has `**kwargs`),
+    "nested" (it names the `nested` parameter, e.g. `create_kwargs`) or "flat". PluginConfigError naming
+    `where` when it cannot take the call's `fixed` arguments (e.g. `instance_id`) in any shape."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return "both"
+    params = sig.parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        shape = "both"
+    elif nested in sig.parameters and sig.parameters[nested].kind is not inspect.Parameter.POSITIONAL_ONLY:
+        shape = "nested"
+    else:
+        shape = "flat"
+    try:
+        sig.bind_partial(*fixed)  # the rest may come from the sample's kwargs
+    except TypeError as exc:
+        raise PluginConfigError(
+            f"{where} cannot be called as verl calls it, with ({', '.join(fixed)}) and the sample's {nested} "
+            f"flat or as {nested}=: {exc}; give it verl's signature ({', '.join(fixed)}, **kwargs)") from None
+    return shape
+
+
+def shaped_kwargs(shape: str, nested: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A sample's kwargs in the `shape` from `kwargs_shape`: flat, `{nested: kwargs}`, or both at once."""
+    if shape == "flat":
+        return dict(kwargs)
+    if shape == "nested":
+        return {nested: dict(kwargs)}
+    return {**kwargs, nested: dict(kwargs)}
 
 
 P = TypeVar("P")

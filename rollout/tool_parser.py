@@ -14,24 +14,33 @@ message that is fed back to the model as a tool-role message (and counted as a m
 nothing the model writes raises. Where it departs from `FunctionCallParser.parse_non_stream`:
 that call silently drops blocks with bad JSON and calls to unknown tools (it only logs a
 warning), which is how "tools silently never called" happens in RL. Here each failure says
-why: `bad_json`, `unknown_tool`, `bad_arguments` (do not fit the tool's JSON schema) or
-`unparsed` (the block is not closed, or not in the format's shape).
+why: `bad_json`, `unknown_tool`, `bad_arguments` (do not fit the tool's schema, checked as verl's
+tools read arguments, or strictly when the tool opts in: `OpenAIFunctionToolSchema.check_arguments`;
+nesting deeper than `MAX_ARGUMENT_DEPTH` is refused unchecked) or `unparsed` (the block is not
+closed, or not in the format's shape). `arguments` written as a JSON string that decodes to an
+object (OpenAI's wire format) are decoded.
 """
 from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from sglang.srt.entrypoints.openai.protocol import Function, Tool
 from sglang.srt.function_call.function_call_parser import FunctionCallParser
 
-from rollout.tools.schemas import OpenAIFunctionCallSchema, OpenAIFunctionToolSchema
+from rollout.tools.schemas import (
+    MAX_ARGUMENT_DEPTH,
+    OpenAIFunctionCallSchema,
+    OpenAIFunctionToolSchema,
+)
 
 logger = logging.getLogger(__name__)
 
 _DECODER = json.JSONDecoder()
+_NAME = re.compile(r'"name"\s*:\s*"([^"\\]*)"')  # a call's tool name, read without decoding the call
 
 # Every tool-call format name SGLang's FunctionCallParser knows (the `multi_turn.format` choices).
 SUPPORTED_FORMATS = tuple(sorted(FunctionCallParser.ToolCallParserEnum))
@@ -72,15 +81,17 @@ class ParsedTurn:
 class ToolCallParser:
     """Parses assistant text into tool calls for one set of tools (one sample's tools)."""
 
-    def __init__(self, schemas: list[OpenAIFunctionToolSchema], fmt: str = "qwen25"):
+    def __init__(self, schemas: list[Any], fmt: str = "qwen25"):
+        """`schemas`: the tools' schemas (polyturn's, verl's pydantic ones, or dicts)."""
         if fmt not in FunctionCallParser.ToolCallParserEnum:
             raise ValueError(f"tool-call format {fmt!r} is not known to SGLang's FunctionCallParser; use one of {SUPPORTED_FORMATS}")
         self.format = fmt
-        self.schemas = {s.function.name: s for s in schemas}
+        ours = [OpenAIFunctionToolSchema.from_dict(s) for s in schemas]
+        self.schemas = {s.function.name: s for s in ours}
         tools = [
             Tool(type="function", function=Function(name=s.function.name, description=s.function.description,
-                                                    parameters=s.function.parameters))
-            for s in schemas
+                                                    parameters=s.function.parameters_json()))
+            for s in ours
         ]
         self._parser = FunctionCallParser(tools=tools, tool_call_parser=fmt)
         bot = getattr(self._parser.detector, "bot_token", "") or ""
@@ -112,10 +123,13 @@ class ToolCallParser:
         """The call opened at `start`: (its calls, or why it is malformed; where scanning goes on)."""
         body = start + len(self._trigger)
         value_at = len(text) - len(text[body:].lstrip())
+        too_deep = False
         try:
             obj, value_end = _DECODER.raw_decode(text, value_at)
-        except (json.JSONDecodeError, RecursionError):
+        except json.JSONDecodeError:
             obj, value_end = None, -1
+        except RecursionError:  # nested past the decoder's recursion: the arguments, as far as a model writes
+            obj, value_end, too_deep = None, -1, True
         if value_end != -1:
             close_at = len(text) - len(text[value_end:].lstrip())
             if text.startswith(self._end, close_at):
@@ -126,6 +140,10 @@ class ToolCallParser:
         end = min(nxt) if nxt else len(text)
         if text.startswith(self._end, end):
             end += len(self._end)
+        name = _NAME.search(text, start, end)
+        if too_deep and name and name.group(1) in self.schemas:
+            return [MalformedCall("bad_arguments", name.group(1), f"Error: arguments of `{name.group(1)}` are "
+                                  f"nested deeper than {MAX_ARGUMENT_DEPTH} levels.", text[start:end])], end
         return [self._diagnose(text[start:end])], end
 
     def _calls_of(self, obj: Any, block: str) -> list[ParsedCall | MalformedCall]:
@@ -155,15 +173,15 @@ class ToolCallParser:
         call, decode_error = OpenAIFunctionCallSchema.from_raw(name, parameters)
         if decode_error is not None:
             return MalformedCall("bad_arguments", name, f"Error: call to `{name}`: {decode_error}.", block)
-        errors = self.schemas[name].validate_arguments(call.arguments)
+        arguments, errors = self.schemas[name].check_arguments(call.arguments)
         if errors:
             return MalformedCall(
                 "bad_arguments", name,
                 f"Error: arguments of `{name}` do not fit its schema: {'; '.join(errors)}. "
-                f"Parameters: {json.dumps(self.schemas[name].function.parameters)}",
+                f"Parameters: {json.dumps(self.schemas[name].function.parameters_json())}",
                 block,
             )
-        return ParsedCall(name=name, arguments=call.arguments, raw=block)
+        return ParsedCall(name=name, arguments=arguments, raw=block)
 
     def _unknown(self, name: Any, block: str) -> MalformedCall:
         known = ", ".join(sorted(self.schemas))

@@ -120,6 +120,7 @@ class Trajectory:
     generation_time_s: float = 0.0  # wall time spent waiting on the engine
     tool_time_s: float = 0.0  # wall time spent in tool calls (one turn's calls overlap: counted once)
     interaction_time_s: float = 0.0  # wall time spent waiting on the interaction
+    traces: list[dict[str, Any]] = field(default_factory=list)  # rollout_trace_op calls (rollout.tracing), in order
 
     # ---- building ----------------------------------------------------------------------
 

@@ -307,7 +307,7 @@ def test_n_samples_per_prompt_and_per_sample_tools(tokenizer):
     assert '"name": "add"' in prompt_text["a"] and '"name": "lookup"' not in prompt_text["a"]
     assert '"name": "lookup"' in prompt_text["b"] and '"name": "add"' not in prompt_text["b"]
     assert '"name": "add"' in prompt_text["c"] and '"name": "lookup"' in prompt_text["c"]
-    assert add.create_kwargs.count({"create_kwargs": {"seed": 1}}) == 3  # verl's agent-loop shape
+    assert add.create_kwargs.count({"seed": 1, "create_kwargs": {"seed": 1}}) == 3  # **kwargs: both verl shapes
     assert len(out) == 9
 
 

@@ -56,7 +56,7 @@ def test_malformed_calls_are_data_and_do_not_hide_the_next_call():
     """A broken call gives a MalformedCall with its kind; the well-formed call after it still runs."""
     text = ('<tool_call>\n{"name": "python", "arguments": {"code": "1"\n</tool_call>'
             '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>'
-            '<tool_call>\n{"name": "python", "arguments": {"code": 3}}\n</tool_call>'
+            '<tool_call>\n{"name": "python", "arguments": {"code": [3]}}\n</tool_call>'
             '<tool_call>\n{"name": "python", "arguments": {"code": "2"}}\n</tool_call>'
             '<tool_call>\n{"name": "python", "arguments": {"code": "4"}}')
     calls = parser().parse(text).calls

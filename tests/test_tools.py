@@ -221,25 +221,33 @@ def test_shipped_tool_configs_load(name):
 
 @pytest.mark.unit
 def test_argument_validation_names_the_bad_argument():
-    """Arguments that do not fit the schema are reported per argument (missing, wrong type, not in enum)."""
+    """Arguments that do not fit the schema are reported per argument (missing, wrong type, not in enum): checked as
+    verl's tools read them by default, against the full JSON schema as written when the tool opts in (strict)."""
     s = OpenAIFunctionToolSchema.from_dict(
         schema(
             "convert", {"value": {"type": "number"}, "unit": {"type": "string", "enum": ["C", "F"]}}, ["value", "unit"]
         )
     )
-    assert s.validate_arguments({"value": 3, "unit": "C"}) == []
-    assert s.validate_arguments({"unit": "C"}) == ["arguments: 'value' is a required property"]
-    assert s.validate_arguments({"value": "3", "unit": "K"}) == [
+    assert s.check_arguments({"value": 3, "unit": "C"}) == ({"value": 3, "unit": "C"}, [])
+    assert s.check_arguments({"unit": "C"})[1] == ["value: required argument is missing"]
+    assert s.check_arguments({"value": True, "unit": "K"})[1] == [
+        "value: True is not of type 'number'",
+        "unit: 'K' is not one of ['C', 'F']",
+    ]
+    assert s.check_arguments([1, 2])[1] == ["arguments: must be a JSON object, got list"]
+    strict = s.with_strict_arguments(True)
+    assert not s.strict_arguments and strict.strict_arguments
+    assert strict.check_arguments({"unit": "C"})[1] == ["arguments: 'value' is a required property"]
+    assert strict.check_arguments({"value": "3", "unit": "K"})[1] == [
         "unit: 'K' is not one of ['C', 'F']",
         "value: '3' is not of type 'number'",
     ]
-    assert s.validate_arguments([1, 2]) == ["arguments: [1, 2] is not of type 'object'"]
 
 
 @pytest.mark.unit
 def test_function_call_decoding_reports_bad_json():
     """A call whose arguments are not a JSON object is decoded to {} plus an error, never an exception."""
-    assert OpenAIFunctionCallSchema.from_raw("f", '{"a": 1}') == (OpenAIFunctionCallSchema("f", {"a": 1}), None)
+    assert OpenAIFunctionCallSchema.from_raw("f", '{"a": 1}') == (OpenAIFunctionCallSchema(name="f", arguments={"a": 1}), None)
     call, err = OpenAIFunctionCallSchema.from_raw("f", '{"a": ')
     assert call.arguments == {} and "not valid JSON" in err
     call, err = OpenAIFunctionCallSchema.from_raw("f", "[1]")
@@ -515,7 +523,7 @@ def test_malformed_calls_never_raise_and_never_reach_the_tool_with_bad_arguments
     result = asyncio.run(runner.execute("i", call.arguments if decode_error is None else raw))
     assert isinstance(result.text, str) and result.text
     for params in seen:
-        assert runner.tool.tool_schema.validate_arguments(params) == []
+        assert runner.schema.check_arguments(params) == (params, [])
         assert isinstance(params, dict) and ("x" not in params or type(params["x"]) is int)
     if result.error is None:
         assert seen and result.text == "ok"

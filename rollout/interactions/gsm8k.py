@@ -3,8 +3,9 @@
 Both read the sample's `interaction_kwargs`: `ground_truth` (the final number) and, for the
 tutor, `solution` (GSM8K's reference solution text, steps on separate lines, `#### N` last).
 Each user turn grades the last assistant message with the scorer named by `config.score_fn`
-(a dotted path; the shipped YAML names the recipe's `recipe.reward.gsm8k.compute_score`, so
-rollout and reward share one scorer) with verl's strict extraction (`config.method: flexible`
+(a dotted path; by default the recipe's `recipe.reward.gsm8k.compute_score`,
+`rollout.plugins.GSM8K_SCORE_FN`, so rollout and reward share one scorer and verl's
+`config: {}` loads as it is) with verl's strict extraction (`config.method: flexible`
 opts in to the last number anywhere); a correct answer ends the conversation with score 1.0. Otherwise `Gsm8kInteraction` gives verl's "incorrect, reflect and try again" feedback and
 `Gsm8kTutorInteraction` reveals the next step of the reference solution, until
 `max_user_turns` (config, default 3) user turns are spent.
@@ -19,7 +20,7 @@ import re
 from typing import Any
 
 from rollout.interactions.base import BaseInteraction
-from rollout.plugins import import_object
+from rollout.plugins import GSM8K_SCORE_FN, import_object
 
 _CALCULATOR = re.compile(r"<<[^>]*>>")
 
@@ -50,10 +51,8 @@ class Gsm8kInteraction(BaseInteraction):
     def __init__(self, config: dict[str, Any]):
         super().__init__(config)
         self.max_user_turns = int(self.config.get("max_user_turns", 3))
-        if "score_fn" not in self.config:
-            raise ValueError(f"interaction {self.name!r} needs config.score_fn: the dotted path of the GSM8K "
-                             "scorer, e.g. recipe.reward.gsm8k.compute_score")
-        self.score_fn = import_object(self.config["score_fn"], f"interaction {self.name!r} config.score_fn")
+        self.score_fn = import_object(self.config.get("score_fn", GSM8K_SCORE_FN),
+                                      f"interaction {self.name!r} config.score_fn")
         self.method = self.config.get("method", "strict")
         if self.max_user_turns < 1:
             raise ValueError(

@@ -2,12 +2,16 @@
 
 A tool is one object shared by every trajectory; per-trajectory state lives under an
 `instance_id` that `create` hands out and `release` frees. The agent loop calls, per sample
-(verl's agent-loop shapes; `*_kwargs` come from the sample's `tools_kwargs.<tool>`):
+(`*_kwargs` come from the sample's `tools_kwargs.<tool>`; with these `**kwargs` signatures each
+method gets them both ways at once, flat and nested, as verl's tools read either):
 
-    instance_id, _ = await tool.create(create_kwargs=create_kwargs)
-    response, step_reward, metrics = await tool.execute(instance_id, arguments, **execute_kwargs)
-    reward = await tool.calc_reward(instance_id, **calc_reward_kwargs)
-    await tool.release(instance_id, **release_kwargs)          # always, also on errors
+    instance_id, _ = await tool.create(**create_kwargs, create_kwargs=create_kwargs)
+    response, step_reward, metrics = await tool.execute(instance_id, arguments, **execute_kwargs, execute_kwargs=...)
+    reward = await tool.calc_reward(instance_id, **calc_reward_kwargs, calc_reward_kwargs=...)
+    await tool.release(instance_id, **release_kwargs, release_kwargs=...)      # always, also on errors
+
+A method without `**kwargs` gets the shape its named parameters ask for (`create(self,
+create_kwargs)`: nested; `create(self, ground_truth)`: flat); `rollout.plugins.kwargs_shape`.
 
 Never call a tool directly from rollout code: go through `rollout.tools.runner.ToolRunner`,
 which adds timeouts, concurrency and rate limits, turns exceptions into tool responses and
@@ -43,8 +47,8 @@ class BaseTool:
         return self.tool_schema
 
     async def create(self, instance_id: str | None = None, **kwargs: Any) -> tuple[str, ToolResponse | None]:
-        """Start a per-trajectory instance (`kwargs["create_kwargs"]`: the sample's); returns its id and
-        an optional initial response."""
+        """Start a per-trajectory instance (`kwargs`: the sample's create_kwargs, flat and under
+        `create_kwargs`); returns its id and an optional initial response."""
         return instance_id or str(uuid.uuid4()), None
 
     async def execute(

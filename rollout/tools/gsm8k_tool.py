@@ -9,9 +9,9 @@ and a step reward, as verl's tool does:
   `penalty` (default -0.05) otherwise (discourages resubmitting the same wrong answer);
 - `calc_reward` is the best score the instance reached.
 
-The scorer is not the rollout's: `config.score_fn` is a dotted path (the recipe's
-`recipe.reward.gsm8k.compute_score` in `tool_configs/gsm8k_tool_config.yaml`), so the tool and
-the outcome reward cannot disagree. Departs from verl: verl keeps the best answer text and
+The scorer is not the rollout's: `config.score_fn` is a dotted path, by default the recipe's
+`recipe.reward.gsm8k.compute_score` (`rollout.plugins.GSM8K_SCORE_FN`), so the tool and the
+outcome reward cannot disagree, and verl's `config: {type: native}` loads as it is. Departs from verl: verl keeps the best answer text and
 scores it once more in `calc_reward`; this keeps the best score.
 """
 
@@ -19,34 +19,30 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout.plugins import import_object
+from rollout.plugins import GSM8K_SCORE_FN, import_object
 from rollout.tools.base import BaseTool
 from rollout.tools.schemas import ToolResponse
+from rollout.tracing import rollout_trace_op
 
 
 class Gsm8kTool(BaseTool):
     """`calc_gsm8k_reward`: checks a submitted GSM8K answer against the sample's ground truth.
 
     Config: `score_fn` (dotted path of `f(solution_str, ground_truth, method=, format_score=)`,
-    required), `method` (default flexible, as verl's tool: the answer argument is often a bare
+    default the recipe's GSM8K scorer), `method` (default flexible, as verl's tool: the answer argument is often a bare
     number), `format_score` (default 0.0), `penalty` (step reward of a non-improving call, default -0.05).
     """
 
     def __init__(self, config: dict[str, Any], tool_schema):
         super().__init__(config, tool_schema)
-        if "score_fn" not in self.config:
-            raise ValueError("Gsm8kTool needs config.score_fn: the dotted path of the GSM8K scorer, "
-                             "e.g. recipe.reward.gsm8k.compute_score")
-        self.score_fn = import_object(self.config["score_fn"], "config.score_fn")
+        self.score_fn = import_object(self.config.get("score_fn", GSM8K_SCORE_FN), "config.score_fn")
         self.method = self.config.get("method", "flexible")
         self.format_score = float(self.config.get("format_score", 0.0))
         self.penalty = float(self.config.get("penalty", -0.05))
         self._instances: dict[str, dict[str, Any]] = {}
 
     async def create(self, instance_id: str | None = None, ground_truth: str | None = None, **kwargs: Any):
-        if ground_truth is None:  # verl's agent loop passes create_kwargs={...}
-            ground_truth = (kwargs.get("create_kwargs") or {}).get("ground_truth")
-        if ground_truth is None:
+        if ground_truth is None:  # the runner passes create_kwargs flat (and nested) to a **kwargs signature
             raise ValueError(
                 f"tool {self.name!r} needs create_kwargs.ground_truth; put it in the sample's "
                 f"extra_info.tools_kwargs.{self.name}.create_kwargs"
@@ -55,6 +51,7 @@ class Gsm8kTool(BaseTool):
         self._instances[instance_id] = {"ground_truth": str(ground_truth), "reward": 0.0}
         return instance_id, None
 
+    @rollout_trace_op
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any):
         state = self._instances[instance_id]
         answer = str(parameters.get("answer", ""))

@@ -15,7 +15,9 @@ called for every created instance (`session()` guarantees it, also on cancellati
 runner counts both so tests and metrics can assert `created == released` (the shared
 lifecycle is `rollout.plugins.PluginRunner`).
 
-verl's call shapes: `create(create_kwargs={...})` as verl's tool agent loop calls it, returning
+verl's call shapes: `create`, `execute`, `calc_reward` and `release` get the sample's kwargs
+in the shape each method's signature asks for (`rollout.plugins.kwargs_shape`, read once here,
+at load: flat, under `create_kwargs=` / ..., or both at once for `**kwargs`); `create` returns
 an id or `(id, response)`; `execute` returning `(response, step_reward, metrics)` where the
 response is a str, a dict with `text` / `image` / `video`, or any `ToolResponse`-like object
 (verl's pydantic one included). A response from `create` is kept and put before the
@@ -33,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.plugins import PluginConfigError, PluginRunner
+from rollout.plugins import PluginConfigError, PluginRunner, kwargs_shape, shaped_kwargs
 from rollout.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 logger = logging.getLogger(__name__)
@@ -55,14 +57,20 @@ class ToolCallResult:
     response: ToolResponse | None = None  # the full ToolResponse (multi-modal parts kept)
 
 
+# Each tool method, the fixed arguments the runner passes it, and the name of its nested kwargs.
+TOOL_CALLS = {"create": ((), "create_kwargs"), "execute": (("instance_id", "parameters"), "execute_kwargs"),
+              "calc_reward": (("instance_id",), "calc_reward_kwargs"), "release": (("instance_id",), "release_kwargs")}
+
+
 @dataclass
 class ToolLimits:
-    """Per-tool limits, read from the tool's YAML `config`."""
+    """Per-tool limits and argument checking, read from the tool's YAML `config`."""
 
     max_concurrency: int = 64
     rate_limit: float | None = None  # calls per second; None = unlimited
     timeout_s: float = 30.0
     max_response_chars: int = 8192
+    strict_arguments: bool = False  # validate arguments against the full JSON schema as written (no coercion)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], tool_name: str) -> ToolLimits:
@@ -72,6 +80,7 @@ class ToolLimits:
             rate_limit=None if config.get("rate_limit") is None else float(config["rate_limit"]),
             timeout_s=float(config.get("timeout_s", cls.timeout_s)),
             max_response_chars=int(config.get("max_response_chars", cls.max_response_chars)),
+            strict_arguments=bool(config.get("strict_arguments", cls.strict_arguments)),
         )
         if limits.max_concurrency < 1:
             raise PluginConfigError(f"tool {tool_name!r}: config.max_concurrency must be >= 1, got {limits.max_concurrency}")
@@ -120,10 +129,14 @@ class ToolRunner(PluginRunner[Any]):
     kind = "tool"
 
     def __init__(self, tool: Any, limits: ToolLimits | None = None):
-        self.schema = tool_schema_of(tool)
-        name = getattr(tool, "name", None) or self.schema.function.name
+        schema = tool_schema_of(tool)
+        name = getattr(tool, "name", None) or schema.function.name
         self.limits = limits or ToolLimits.from_config(dict(getattr(tool, "config", None) or {}), name)
+        self.schema = schema.with_strict_arguments(self.limits.strict_arguments)  # parsing checks with this
         super().__init__(tool, name)
+        # method -> "flat" | "nested" | "both", from the signatures, once
+        self.shapes = {m: kwargs_shape(getattr(tool, m), fixed, nested, f"tool {name!r}: {type(tool).__name__}.{m}")
+                       for m, (fixed, nested) in TOOL_CALLS.items()}
         self._semaphore: asyncio.Semaphore | None = None
         self._rate_lock: asyncio.Lock | None = None
         self._next_slot = 0.0
@@ -154,12 +167,15 @@ class ToolRunner(PluginRunner[Any]):
         if wait > 0:
             await asyncio.sleep(wait)
 
+    def _kwargs(self, method: str, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        return shaped_kwargs(self.shapes[method], TOOL_CALLS[method][1], dict(kwargs or {}))
+
     async def create(self, create_kwargs: dict[str, Any] | None = None) -> str:
-        """Create an instance as verl's agent loop does: `tool.create(create_kwargs={...})`."""
+        """Create an instance with the sample's `create_kwargs`, in the shape `create` takes."""
         box: dict[str, Any] = {}
 
         async def opened() -> str:
-            out = await self.tool.create(create_kwargs=dict(create_kwargs or {}))
+            out = await self.tool.create(**self._kwargs("create", create_kwargs))
             iid, response = out if isinstance(out, tuple) else (out, None)
             box["response"] = response
             return iid
@@ -172,16 +188,16 @@ class ToolRunner(PluginRunner[Any]):
     async def release(self, instance_id: str, **release_kwargs: Any) -> None:
         """Release an instance; errors and timeouts are logged, never raised."""
         self._opening.pop(instance_id, None)
-        await self.close(instance_id, "release", **release_kwargs)
+        await self.close(instance_id, "release", **self._kwargs("release", release_kwargs))
 
     def session(self, create_kwargs: dict[str, Any] | None = None,
                 release_kwargs: dict[str, Any] | None = None):
         """`async with runner.session(create_kwargs, release_kwargs) as iid:` — release guaranteed."""
-        return self._session(lambda: self.create(create_kwargs), "release", dict(release_kwargs or {}))
+        return self._session(lambda: self.create(create_kwargs), "release", self._kwargs("release", release_kwargs))
 
     async def execute(self, instance_id: str, parameters: Any, **execute_kwargs: Any) -> ToolCallResult:
         """Run one call under the limits; never raises (except for cancellation of the caller)."""
-        problems = self.schema.validate_arguments(parameters)
+        parameters, problems = self.schema.check_arguments(parameters)
         if problems:
             msg = f"Error: invalid arguments for tool '{self.name}': " + "; ".join(problems)
             return ToolCallResult(text=msg, error="invalid_arguments: " + "; ".join(problems))
@@ -190,7 +206,8 @@ class ToolRunner(PluginRunner[Any]):
             await self._wait_rate_slot(rate_lock)
             start = time.monotonic()
             try:
-                raw = await self._timed(self.tool.execute(instance_id, parameters, **execute_kwargs))
+                raw = await self._timed(self.tool.execute(instance_id, parameters,
+                                                          **self._kwargs("execute", execute_kwargs)))
             except TimeoutError:
                 logger.warning("tool %r timed out after %.1fs (instance %s)", self.name, self.timeout_s, instance_id)
                 return ToolCallResult(
@@ -231,4 +248,4 @@ class ToolRunner(PluginRunner[Any]):
 
     async def calc_reward(self, instance_id: str, **calc_reward_kwargs: Any) -> float:
         """The instance's reward; a failing, hung or non-numeric `calc_reward` gives 0.0 and a logged error."""
-        return await self.score("calc_reward", instance_id, **calc_reward_kwargs)
+        return await self.score("calc_reward", instance_id, **self._kwargs("calc_reward", calc_reward_kwargs))

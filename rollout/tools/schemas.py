@@ -1,52 +1,98 @@
-"""Tool schemas (OpenAI function format) and tool responses, as plain dataclasses.
+"""Tool schemas and tool responses, as verl's pydantic models (`verl.tools.schemas`, same names
+and fields), so code written against verl (`tool_schema.model_dump()`, `ToolResponse(text=...)`,
+`OpenAIFunctionToolSchema.model_validate({...})`) runs unchanged.
 
 A tool describes itself to the model with an OpenAI function schema: a name, a description
 and a JSON-schema object for its arguments. The same schema is rendered into the chat
-template (`to_openai()`) and used to check the arguments of every parsed call
-(`validate_arguments`), so a call that does not fit is turned into an error message for the
-model instead of reaching the tool.
+template (`to_openai()`) and checks the arguments of every parsed call (`check_arguments`),
+so a call that does not fit becomes an error message for the model instead of reaching the tool.
 
-Departs from verl's pydantic models: these are dataclasses built by `from_dict`, which checks
-the schema itself (with `jsonschema`'s meta-schema) when the YAML is loaded, so a bad schema
-fails at start-up naming the field, not mid-rollout.
+Departs from verl:
+- `from_dict` checks the schema itself (with `jsonschema`'s meta-schema) when the YAML is
+  loaded, so a bad schema fails at start-up naming the field, not mid-rollout; parameter and
+  property schemas keep every JSON-schema key (`items`, `minimum`, nested objects ...), where
+  verl's models keep only `type`, `description`, `enum`.
+- Arguments are taken as verl's tools take them (verl checks none; its tools call `str()` on
+  what they read): a number given for a string field becomes its text, an integral string
+  given for an integer field becomes the integer; a bool, null or container given for a
+  scalar field, a value outside its `enum`, or a missing required argument, is refused. A tool opts in to full JSON-schema
+  validation of the arguments as written with `config.strict_arguments: true`.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
-from typing import Any
+import re
+from typing import Any, Literal
 
 import jsonschema
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 _PARAMETER_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+_SCALAR_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool}
+_INTEGRAL = re.compile(r"[+-]?\d+")
+MAX_ARGUMENT_DEPTH = 64  # arguments nested deeper are refused unchecked (validators recurse per level)
 
 
 class ToolSchemaError(ValueError):
     """A tool schema is malformed (raised when a tool config is loaded)."""
 
 
-@dataclass
-class OpenAIFunctionSchema:
+class OpenAIFunctionPropertySchema(BaseModel):
+    """One argument's JSON schema (verl's fields; any other JSON-schema key is kept as is)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str | list[str] | None = None  # JSON-schema type(s); verl: str
+    description: str | None = None
+    enum: list[Any] | None = None
+
+
+class OpenAIFunctionParametersSchema(BaseModel):
+    """The arguments' JSON schema: an object (verl's fields; other JSON-schema keys kept)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = "object"
+    properties: dict[str, OpenAIFunctionPropertySchema] = Field(default_factory=dict)
+    required: list[str] = Field(default_factory=list)
+
+
+class OpenAIFunctionSchema(BaseModel):
     """The `function` part of an OpenAI tool schema."""
 
     name: str  # what the model writes in a call's "name"
-    description: str  # shown to the model in the chat template
-    parameters: dict[str, Any]  # JSON schema of the arguments; top-level type "object"
-    strict: bool = False  # OpenAI's strict flag; kept for round trips, not used here
+    description: str = ""  # shown to the model in the chat template
+    parameters: OpenAIFunctionParametersSchema = Field(
+        default_factory=lambda: OpenAIFunctionParametersSchema(type="object", properties={}, required=[]))
+    strict: bool = False  # OpenAI's strict flag; rendered when set (argument checking: config.strict_arguments)
+    _as_written: dict[str, Any] | None = PrivateAttr(default=None)  # `parameters` as the config wrote them
+
+    def parameters_json(self) -> dict[str, Any]:
+        """The arguments' JSON schema as a plain dict, as written (keys in their order, unset defaults left out),
+        so the chat template renders what the config says."""
+        if self._as_written is not None:
+            return self._as_written
+        out = self.parameters.model_dump(exclude_unset=True)
+        out.setdefault("type", "object")
+        return out
 
 
-@dataclass
-class OpenAIFunctionToolSchema:
+class OpenAIFunctionToolSchema(BaseModel):
     """An OpenAI tool schema: `{"type": "function", "function": {...}}`."""
 
-    function: OpenAIFunctionSchema
     type: str = "function"
-    _validator: Any = field(default=None, init=False, repr=False, compare=False)
+    function: OpenAIFunctionSchema
+    _strict_arguments: bool = PrivateAttr(default=False)  # full JSON-schema validation of arguments (opt-in)
+    _validator: Any = PrivateAttr(default=None)
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "tool_schema") -> OpenAIFunctionToolSchema:
-        """Build and check a schema from its dict form; `where` names it in errors."""
+        """Build and check a schema from its dict form (or a verl / pydantic schema); `where` names it in errors."""
+        if hasattr(data, "model_dump") and not isinstance(data, cls):
+            data = data.model_dump(exclude_unset=True)
+        if isinstance(data, cls):
+            return data
         if not isinstance(data, dict):
             raise ToolSchemaError(f"{where}: expected a mapping with 'type' and 'function', got {type(data).__name__}")
         if data.get("type", "function") != "function":
@@ -62,35 +108,102 @@ class OpenAIFunctionToolSchema:
             raise ToolSchemaError(f"{where}.function.description: must be a string, got {type(description).__name__}")
         parameters = fn.get("parameters", {"type": "object", "properties": {}, "required": []})
         _check_parameters(parameters, f"{where}.function.parameters")
-        schema = OpenAIFunctionSchema(
-            name=name, description=description, parameters=parameters, strict=bool(fn.get("strict", False))
-        )
-        return cls(function=schema)
+        function = OpenAIFunctionSchema(name=name, description=description, parameters=parameters,
+                                        strict=bool(fn.get("strict", False)))
+        function._as_written = parameters
+        return cls(type="function", function=function)
+
+    def with_strict_arguments(self, strict: bool) -> OpenAIFunctionToolSchema:
+        """A copy whose `check_arguments` validates the arguments as written against the full JSON schema."""
+        copy = self.model_copy()
+        copy._strict_arguments = bool(strict)
+        copy._validator = None
+        return copy
+
+    @property
+    def strict_arguments(self) -> bool:
+        """Whether arguments get full JSON-schema validation (`config.strict_arguments`), not verl's coercions."""
+        return self._strict_arguments
 
     def to_openai(self) -> dict[str, Any]:
         """The dict the chat template and OpenAI-style APIs expect."""
-        fn: dict[str, Any] = {
-            "name": self.function.name,
-            "description": self.function.description,
-            "parameters": self.function.parameters,
-        }
+        fn: dict[str, Any] = {"name": self.function.name, "description": self.function.description,
+                              "parameters": self.function.parameters_json()}
         if self.function.strict:
             fn["strict"] = True
         return {"type": self.type, "function": fn}
 
-    def validate_arguments(self, arguments: Any) -> list[str]:
-        """Errors of a call's arguments against the schema (empty list when they fit).
+    def check_arguments(self, arguments: Any) -> tuple[dict[str, Any], list[str]]:
+        """(the arguments as the tool gets them, errors); no errors means the call may run.
 
-        Each error names the argument path, e.g. `expression: 3 is not of type 'string'`.
+        Each error names the argument, e.g. `expression: True is not of type 'string'`. Never raises:
+        arguments nested deeper than MAX_ARGUMENT_DEPTH are refused without being walked.
         """
+        if not isinstance(arguments, dict):
+            return {}, [f"arguments: must be a JSON object, got {type(arguments).__name__}"]
+        if nesting_depth(arguments) > MAX_ARGUMENT_DEPTH:
+            return arguments, [f"arguments: nested deeper than {MAX_ARGUMENT_DEPTH} levels"]
+        if self._strict_arguments:
+            return arguments, self._validate(arguments)
+        params = self.function.parameters
+        coerced = dict(arguments)
+        errors = [f"{req}: required argument is missing" for req in params.required if req not in coerced]
+        for key, value in arguments.items():
+            prop = params.properties.get(key)
+            if prop is None or prop.type is None:
+                continue
+            types = prop.type if isinstance(prop.type, list) else [prop.type]
+            value = coerced[key] = _coerce(value, types)
+            if not _fits(value, types):
+                errors.append(f"{key}: {value!r} is not of type {' or '.join(map(repr, types))}")
+            elif prop.enum is not None and value not in prop.enum:
+                errors.append(f"{key}: {value!r} is not one of {prop.enum}")
+        return coerced, errors
+
+    def _validate(self, arguments: dict[str, Any]) -> list[str]:
         if self._validator is None:
-            self._validator = jsonschema.Draft202012Validator(self.function.parameters)
-        errors = sorted(self._validator.iter_errors(arguments), key=lambda e: list(e.absolute_path))
-        out = []
-        for err in errors:
-            path = ".".join(str(p) for p in err.absolute_path) or "arguments"
-            out.append(f"{path}: {err.message}")
-        return out
+            self._validator = jsonschema.Draft202012Validator(self.function.parameters_json())
+        try:
+            errors = sorted(self._validator.iter_errors(arguments), key=lambda e: list(e.absolute_path))
+        except RecursionError:
+            return ["arguments: nested too deeply to validate"]
+        return [f"{'.'.join(str(p) for p in e.absolute_path) or 'arguments'}: {e.message}" for e in errors]
+
+
+def nesting_depth(value: Any, limit: int = MAX_ARGUMENT_DEPTH + 1) -> int:
+    """Levels of nested lists / dicts (a scalar: 0, `{}`: 1), counted without recursion, up to `limit`."""
+    depth, level = 0, [value]
+    while depth < limit:
+        containers = [v for v in level if isinstance(v, (dict, list))]
+        if not containers:
+            break
+        depth += 1
+        level = [c for v in containers for c in (v.values() if isinstance(v, dict) else v)]
+    return depth
+
+
+def _coerce(value: Any, types: list[str]) -> Any:
+    """verl's tools' reading of an argument: numbers as text for strings, integral text as integers."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if "string" in types and isinstance(value, (int, float)) and not {"integer", "number"} & set(types):
+        return str(value)
+    if "integer" in types and isinstance(value, str) and "string" not in types and _INTEGRAL.fullmatch(value.strip()):
+        return int(value)
+    return value
+
+
+def _fits(value: Any, types: list[str]) -> bool:
+    for typ in types:
+        if typ in _SCALAR_TYPES:
+            if isinstance(value, bool) != (typ == "boolean"):
+                continue
+            if isinstance(value, _SCALAR_TYPES[typ]) and not (typ == "integer" and isinstance(value, float)):
+                return True
+        elif typ == "null" and value is None or typ == "object" and isinstance(value, dict) \
+                or typ == "array" and isinstance(value, list) or typ not in _PARAMETER_TYPES:
+            return True
+    return False
 
 
 def _check_parameters(parameters: Any, where: str) -> None:
@@ -107,7 +220,9 @@ def _check_parameters(parameters: Any, where: str) -> None:
         raise ToolSchemaError(f"{where}{'.' + path if path else ''}: invalid JSON schema: {exc.message}") from None
     properties = parameters.get("properties", {})
     for prop, sub in properties.items():
-        typ = sub.get("type") if isinstance(sub, dict) else None
+        if not isinstance(sub, dict):
+            raise ToolSchemaError(f"{where}.properties.{prop}: must be a JSON-schema mapping, got {sub!r}")
+        typ = sub.get("type")
         types = typ if isinstance(typ, list) else [typ]
         if typ is not None and not set(types) <= _PARAMETER_TYPES:
             raise ToolSchemaError(
@@ -118,16 +233,22 @@ def _check_parameters(parameters: Any, where: str) -> None:
             raise ToolSchemaError(f"{where}.required: {req!r} is required but not listed in properties; add it there")
 
 
-@dataclass
-class OpenAIFunctionCallSchema:
+class OpenAIFunctionParsedSchema(BaseModel):
+    """A call as parsed from text: its name and its arguments as a JSON string (verl's)."""
+
+    name: str
+    arguments: str  # JSON string
+
+
+class OpenAIFunctionCallSchema(BaseModel):
     """A parsed tool call: the tool's name and its decoded arguments."""
 
     name: str
     arguments: dict[str, Any]
 
     @classmethod
-    def from_raw(cls, name: str, arguments: str | dict[str, Any]) -> tuple[OpenAIFunctionCallSchema, str | None]:
-        """Decode a call whose arguments may still be a JSON string.
+    def from_raw(cls, name: str, arguments: Any) -> tuple[OpenAIFunctionCallSchema, str | None]:
+        """Decode a call whose arguments may still be a JSON string (OpenAI's wire format).
 
         Returns the call and a decode error (None when the arguments decoded to an object);
         on error the arguments are `{}` so the caller can still report which tool was meant.
@@ -136,17 +257,49 @@ class OpenAIFunctionCallSchema:
             return cls(name=name, arguments=arguments), None
         try:
             decoded = json.loads(arguments)
-        except (json.JSONDecodeError, TypeError) as exc:
+        except (json.JSONDecodeError, TypeError, RecursionError) as exc:
             return cls(name=name, arguments={}), f"arguments are not valid JSON: {exc}"
         if not isinstance(decoded, dict):
             return cls(name=name, arguments={}), f"arguments must be a JSON object, got {type(decoded).__name__}"
         return cls(name=name, arguments=decoded), None
 
+    @staticmethod
+    def from_openai_function_parsed_schema(
+        parsed_schema: OpenAIFunctionParsedSchema,
+    ) -> tuple[OpenAIFunctionCallSchema, bool]:
+        """verl's decoder: (call, has_decode_error)."""
+        call, error = OpenAIFunctionCallSchema.from_raw(parsed_schema.name, parsed_schema.arguments)
+        return call, error is not None
 
-@dataclass
-class ToolResponse:
-    """What a tool returns to the model (verl 0.5+ shape). Only `text` is rendered by the text rollout."""
+
+class OpenAIFunctionToolCall(BaseModel):
+    """A tool call in OpenAI format (verl's)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: OpenAIFunctionCallSchema
+
+
+class ToolResponse(BaseModel):
+    """What a tool returns to the model (verl 0.5+). Only `text` is rendered by the text rollout."""
 
     text: str | None = None
     image: list[Any] | None = None  # multi-modal payloads, passed through untouched
     video: list[Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _media_are_lists(cls, values: Any) -> Any:
+        for key in ("image", "video"):
+            if isinstance(values, dict) and values.get(key) is not None and not isinstance(values[key], list):
+                raise ValueError(f"ToolResponse.{key} must be a list, got {type(values[key]).__name__}; "
+                                 f"wrap a single {key} in a list: {{'{key}': [x]}}")
+        return values
+
+    def is_empty(self) -> bool:
+        """No text, image or video."""
+        return not self.text and not self.image and not self.video
+
+    def is_text_only(self) -> bool:
+        """Text and no media."""
+        return bool(self.text) and not self.image and not self.video

@@ -21,6 +21,10 @@ Where it departs from the textbook "render the chat, tokenize, generate" loop:
   model and metrics; an interaction or engine failure ends that trajectory with finish
   reason `error`; `abort()` ends all of them with `aborted`. Tools are always released and
   interactions always finalized (`ToolRunner.session`, `InteractionRunner.session`).
+- A trajectory whose engine dies (`EngineDeadError`) is started over on an engine still alive,
+  up to `max_trajectory_retries` times: its tool instances are released and its interaction
+  finalized once (leaving the failed attempt), then created afresh for the new attempt; the
+  retries are counted (`fault/retried_trajectories`).
 """
 from __future__ import annotations
 
@@ -29,14 +33,16 @@ import hashlib
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from tqdm import tqdm
 
 from rollout.config import RolloutConfig
-from rollout.engines.base import GenerateResult, RolloutEngine
+from rollout.engines.base import EngineDeadError, GenerateResult, RolloutEngine
 from rollout.engines.router import EngineRouter
 from rollout.interactions.registry import InteractionRegistry
 from rollout.interactions.runner import InteractionRunner
@@ -223,6 +229,7 @@ class AgentLoop:
         self._aborted = False
         self._sampling: dict[str, Any] = {}  # the running `generate` call's sampling parameters
         self._seed: int | None = None  # the running `generate` call's seed
+        self.retried = 0  # trajectories started over after an engine died, in the running / last `generate` call
 
     # ---- public API --------------------------------------------------------------------
 
@@ -247,6 +254,7 @@ class AgentLoop:
         self.validate(prompts)
         self._aborted = False
         self._seed = seed
+        self.retried = 0
         c = self.config
         self._sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": -1} if greedy else \
             {"temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k}
@@ -259,9 +267,9 @@ class AgentLoop:
             for k in range(1 if greedy else c.n):
                 traj = self._new_trajectory(p, k, tool_names, prompt_ids)
                 trajs.append(traj)
-                jobs.append(self._run(traj, schemas))
+                jobs.append(self._run(traj, schemas, partial(self._new_trajectory, p, k, tool_names, prompt_ids)))
         self._tasks = {asyncio.ensure_future(j) for j in jobs}
-        bar = tqdm(total=len(self._tasks), desc="rollout", unit="traj", leave=False)  # trajectories done
+        bar = tqdm(total=len(self._tasks), desc="rollout", unit="traj", leave=False, disable=None)  # off unless a tty
         for task in self._tasks:
             task.add_done_callback(lambda _: bar.update())
         try:
@@ -311,11 +319,31 @@ class AgentLoop:
             self._parsers[key] = ToolCallParser(schemas, self.config.multi_turn.format)
         return self._parsers[key]
 
-    async def _run(self, traj: Trajectory, schemas: list[dict[str, Any]] | None) -> Trajectory:
+    async def _run(self, traj: Trajectory, schemas: list[dict[str, Any]] | None,
+                   fresh: Callable[[], Trajectory]) -> Trajectory:
         """Run one trajectory to its end; never raises (cancellation ends it as aborted).
 
-        `schemas` are the tool schemas its prompt was rendered with (for the drift check).
+        `schemas` are the tool schemas its prompt was rendered with (for the drift check); `fresh()` makes the
+        trajectory anew, for a retry after its engine died.
         """
+        for attempt in range(self.config.max_trajectory_retries + 1):
+            try:
+                await self._attempt(traj, schemas)
+                break
+            except EngineDeadError as exc:  # the sessions are closed: tools released, interaction finalized
+                if self._aborted or attempt == self.config.max_trajectory_retries or not self.router.has_live():
+                    traj.finish(FinishReason.ERROR, f"{exc} (retried {attempt} time(s), "
+                                                    "actor_rollout_ref.rollout.max_trajectory_retries)")
+                    break
+                logger.warning("trajectory %s: %s; retrying it on an engine still alive (retry %d of %d)",
+                               traj.uid, exc, attempt + 1, self.config.max_trajectory_retries)
+                self.retried += 1
+                vars(traj).update(vars(fresh()))
+        traj.drift_index = self.codec.drift_index(traj, schemas)
+        return traj
+
+    async def _attempt(self, traj: Trajectory, schemas: list[dict[str, Any]] | None) -> None:
+        """One attempt at `traj` with its own tool instances and interaction; raises only EngineDeadError."""
         try:
             async with AsyncExitStack() as stack:
                 stack.enter_context(trace_into(traj.traces))  # rollout_trace_op calls land on this trajectory
@@ -335,6 +363,8 @@ class AgentLoop:
                 await self._final_tool_rewards(traj, instances)
         except asyncio.CancelledError:
             traj.finish(FinishReason.ABORTED)
+        except EngineDeadError:
+            raise
         except Exception as exc:  # noqa: BLE001 - one broken trajectory must not end the run
             logger.exception("trajectory %s failed", traj.uid)
             traj.finish(FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
@@ -342,8 +372,6 @@ class AgentLoop:
             self.router.release(traj.uid)
         if traj.status is not TrajectoryStatus.DONE:
             traj.finish(FinishReason.ERROR, "the loop ended without a finish reason")
-        traj.drift_index = self.codec.drift_index(traj, schemas)
-        return traj
 
     async def _final_tool_rewards(self, traj: Trajectory, instances: dict[str, str]) -> None:
         """Ask every tool instance for its `calc_reward` (verl's per-instance reward) before it is released."""
@@ -489,6 +517,7 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
     m["timing/rollout_interaction_s"] = sum(t.interaction_time_s for t in trajs)
     calls = [c for t in trajs for c in t.tool_calls]
     m["rollout/tool/calls"] = float(len(calls))
+    m["rollout/tool/call_rate"] = sum(bool(t.tool_calls) for t in trajs) / n  # share of samples with a call
     m["rollout/tool/truncations"] = float(sum(c.truncated for c in calls))
     per_tool = Counter(c.name for c in calls if c.name is not None)
     per_tool_errors = Counter(c.name for c in calls if c.name is not None and c.error is not None)

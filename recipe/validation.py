@@ -84,6 +84,7 @@ def trajectory_records(trajs: list[Trajectory], terms: RewardTerms, rewards: lis
             "turns": [{"role": s.role, "start": s.start, "end": s.end, "weight_version": s.weight_version,
                        "text": tokenizer.decode(t.response_ids[s.start:s.end], skip_special_tokens=False)}
                       for s in t.turns],
+            "traces": t.traces,  # the rollout_trace_op calls of its tools and interactions (rollout.tracing)
         })
     return records
 

@@ -50,6 +50,7 @@ def test_trajectory_jsonl_has_prompt_response_tool_calls_rewards_finish_reason(t
 
     trajs = [traj("p0", 0, "gsm8k", calls=1, turns=2), traj("p0", 1, "gsm8k")]
     trajs[1].finish_reason = FinishReason.LENGTH
+    trajs[0].traces = [{"name": "Tool.execute", "args": ["i", {"x": 1}], "kwargs": {}, "result": "1", "duration_s": 0.1}]
     terms = RewardTerms(outcome=torch.tensor([1.0, 0.0]), tool_final=torch.tensor([0.0, 0.0]),
                         tool=[[(1, 0.1)], []], interaction=[[], []], extra={})
     path = write_jsonl(tmp_path / "rollout", 3, trajectory_records(trajs, terms, [1.1, 0.0], 3, FakeTokenizer()))
@@ -67,6 +68,7 @@ def test_trajectory_jsonl_has_prompt_response_tool_calls_rewards_finish_reason(t
     assert [(s["role"], s["start"], s["end"], s["text"]) for s in first["turns"]] == \
         [("assistant", 0, 2, "<5><5>"), ("assistant", 2, 4, "<5><5>")]
     assert first["tokenizer"] == "fake/tokenizer"
+    assert first["traces"] == trajs[0].traces and rows[1]["traces"] == []  # rollout_trace_op records
 
 
 @pytest.mark.unit

@@ -14,6 +14,8 @@ import os
 import random
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -37,12 +39,13 @@ HAS_NAMESPACES = namespaces_available(shutil.which("unshare"), AS_ROOT)
 needs_namespaces = pytest.mark.skipif(not HAS_NAMESPACES, reason="unshare cannot create namespaces here")
 
 
-@pytest.fixture(autouse=True, params=["asyncio", "uvloop"])
+@pytest.fixture(autouse=True, params=["asyncio", "uvloop", "uvloop-pool"])
 def event_loop_policy(request):
     """Every sandbox test runs on both loops: SGLang installs uvloop as the asyncio policy when imported,
-    so in a training run the tools execute on uvloop (whose subprocess API differs from asyncio's)."""
+    so in a training run the tools execute on uvloop (whose subprocess API differs from asyncio's). The
+    "-pool" run repeats them on warm sandboxes (`pool_size: 2`, filled before the first call)."""
     previous = asyncio.get_event_loop_policy()
-    if request.param == "uvloop":
+    if request.param.startswith("uvloop"):
         uvloop = pytest.importorskip("uvloop")
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     else:
@@ -51,43 +54,49 @@ def event_loop_policy(request):
     asyncio.set_event_loop_policy(previous)
 
 
-def python_runner(isolation: str, **overrides):
-    """The `python` tool behind its runner; each runner draws sandbox uids from its own range."""
-    low = random.randrange(10_000_000, 900_000_000)
-    config = {
-        "uid_range": [low, low + 1000],
-        "isolation": isolation,
-        "timeout_s": 6,
-        "cpu_time_s": 3,
-        "memory_mb": 512,
-        "file_size_mb": 4,
-        "max_processes": 32,
-        "max_output_bytes": 4096,
-        **overrides,
-    }
-    registry = ToolRegistry.from_config(
-        {
-            "tools": [
-                {
-                    "class_name": "rollout.tools.python_tool.PythonTool",
-                    "config": config,
-                    "tool_schema": {
-                        "type": "function",
-                        "function": {
-                            "name": "python",
-                            "description": "run code",
-                            "parameters": {
-                                "type": "object",
-                                "properties": {"code": {"type": "string"}},
-                                "required": ["code"],
-                            },
-                        },
-                    },
-                }
-            ]
+@pytest.fixture
+def python_runner(event_loop_policy):
+    """`python_runner(isolation, **config)`: the `python` tool behind its runner; each runner draws sandbox uids
+    from its own range. Its pool (when the config or the loop param asks for one) is full before the first
+    call and closed after the test."""
+    registries = []
+
+    def make(isolation: str, **overrides):
+        low = random.randrange(10_000_000, 900_000_000)
+        config = {
+            "uid_range": [low, low + 1000],
+            "isolation": isolation,
+            "timeout_s": 6,
+            "cpu_time_s": 3,
+            "memory_mb": 512,
+            "file_size_mb": 4,
+            "max_processes": 32,
+            "max_output_bytes": 4096,
+            "pool_size": 2 if event_loop_policy.endswith("-pool") else 0,
+            **overrides,
         }
-    )
-    return registry.runner("python")
+        registry = ToolRegistry.from_config({"tools": [{"class_name": "rollout.tools.python_tool.PythonTool",
+                                                        "config": config, "tool_schema": PYTHON_SCHEMA}]})
+        registries.append(registry)
+        runner = registry.runner("python")
+        if runner.tool.pool is not None:
+            runner.tool.pool.start()
+            assert runner.tool.pool.wait_ready(60), "the sandbox pool did not fill within 60 s"
+        return runner
+
+    yield make
+    for registry in registries:
+        asyncio.run(registry.aclose())
+
+
+PYTHON_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "python",
+        "description": "run code",
+        "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+    },
+}
 
 
 def run_code(runner, code: str):
@@ -98,25 +107,41 @@ def run_code(runner, code: str):
     return asyncio.run(go())
 
 
-def sandbox_processes(runner) -> set[int]:
-    """Live (not zombie) processes running as one of the runner's sandbox uids."""
-    low, high = runner.tool.sandbox.uid_range
-    pids = set()
+def _proc_table() -> dict[int, tuple[int, int, str]]:
+    """pid -> (uid, parent pid, state) of every process on the host."""
+    table = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if low <= entry.stat().st_uid < high and state not in ("Z", "X"):
-                    pids.add(int(entry.name))
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                table[int(entry.name)] = (entry.stat().st_uid, int(fields[1]), fields[0])
             except (FileNotFoundError, ProcessLookupError, IndexError):
                 pass
-    return pids
+    return table
 
 
-def survivors(runner) -> set[int]:
+def sandbox_processes(runner, include_idle: bool = False) -> set[int]:
+    """Live (not zombie) processes running as one of the runner's sandbox uids; without `include_idle`, the
+    idle warm workers of the runner's pool (and everything under them) are left out."""
+    low, high = runner.tool.sandbox.uid_range
+    table = _proc_table()
+    idle = set() if include_idle or runner.tool.pool is None else set(runner.tool.pool.idle_pids())
+
+    def under_idle(pid: int) -> bool:
+        while pid > 1 and pid in table:
+            if pid in idle:
+                return True
+            pid = table[pid][1]
+        return False
+
+    return {pid for pid, (uid, _, state) in table.items()
+            if low <= uid < high and state not in ("Z", "X") and not under_idle(pid)}
+
+
+def survivors(runner, include_idle: bool = False) -> set[int]:
     """Sandbox processes still alive after a run (SIGKILLed ones get a moment to exit)."""
     deadline = time.monotonic() + 3.0
-    while (left := sandbox_processes(runner)) and time.monotonic() < deadline:
+    while (left := sandbox_processes(runner, include_idle)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
 
@@ -128,7 +153,7 @@ def assert_later_calls_work(runner) -> None:
 
 @pytest.mark.unit
 @pytest.mark.parametrize("isolation", MODES)
-def test_reading_files_outside_the_sandbox_is_denied(isolation, tmp_path):
+def test_reading_files_outside_the_sandbox_is_denied(isolation, tmp_path, python_runner):
     """Containment: /etc/shadow, /root and a secret in another temp dir are unreadable; the secret is intact."""
     if not AS_ROOT and isolation == "rlimits_unsafe":
         pytest.skip("without root there is no other user to drop to; only namespaces hide the caller's files")
@@ -159,7 +184,7 @@ except OSError as e:
 
 @pytest.mark.unit
 @pytest.mark.parametrize("isolation", MODES)
-def test_network_is_unreachable(isolation):
+def test_network_is_unreachable(isolation, python_runner):
     """Containment: a socket connection to a server the host is listening on fails; the server sees nothing."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -193,7 +218,7 @@ def test_network_is_unreachable(isolation):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("isolation", MODES)
-def test_fork_bomb_is_limited_and_cleaned_up(isolation):
+def test_fork_bomb_is_limited_and_cleaned_up(isolation, python_runner):
     """Containment: forking 1000 processes stops at the process limit; no forked process outlives the run."""
     if not AS_ROOT:
         pytest.skip("RLIMIT_NPROC is enforced only when privileges are dropped to a sandbox uid")
@@ -224,7 +249,7 @@ print("FORKED", n)
 
 @pytest.mark.unit
 @pytest.mark.parametrize("isolation", MODES)
-def test_allocating_4gb_fails_with_memory_error(isolation):
+def test_allocating_4gb_fails_with_memory_error(isolation, python_runner):
     """Containment: a 4 GB allocation fails inside the sandbox (MemoryError) and is reported; the host is fine."""
     runner = python_runner(isolation)
     result = run_code(runner, "x = bytearray(4 * 1024 ** 3)\nprint('ALLOCATED')")
@@ -235,7 +260,7 @@ def test_allocating_4gb_fails_with_memory_error(isolation):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("isolation", MODES)
-def test_infinite_loop_is_killed_and_reported(isolation):
+def test_infinite_loop_is_killed_and_reported(isolation, python_runner):
     """Containment: an endless loop is killed (CPU limit or wall-clock timeout) and the model is told why."""
     runner = python_runner(isolation, timeout_s=3, cpu_time_s=1)
     result = run_code(runner, "while True:\n    pass")
@@ -247,7 +272,7 @@ def test_infinite_loop_is_killed_and_reported(isolation):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("isolation", MODES)
-def test_runner_timeout_cancels_and_kills_the_sandbox(isolation):
+def test_runner_timeout_cancels_and_kills_the_sandbox(isolation, python_runner):
     """Cancellation: when the runner's timeout fires first, the sandbox's process group is killed, not leaked."""
     if not AS_ROOT:
         pytest.skip("processes are identified by the sandbox uid, drawn only when privileges are dropped")
@@ -260,7 +285,7 @@ def test_runner_timeout_cancels_and_kills_the_sandbox(isolation):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("isolation", MODES)
-def test_huge_output_and_huge_files_are_capped(isolation):
+def test_huge_output_and_huge_files_are_capped(isolation, python_runner):
     """Containment: 1 MB of output is truncated (and flagged); a file beyond the size limit cannot be written."""
     runner = python_runner(isolation)
     result = run_code(runner, "print('y' * 1_000_000)")
@@ -273,7 +298,7 @@ def test_huge_output_and_huge_files_are_capped(isolation):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("isolation", MODES)
-def test_code_runs_in_its_own_fresh_directory(isolation):
+def test_code_runs_in_its_own_fresh_directory(isolation, python_runner):
     """Each run starts in an empty private working directory that it may write to; nothing carries over."""
     runner = python_runner(isolation)
     first = run_code(
@@ -286,7 +311,7 @@ def test_code_runs_in_its_own_fresh_directory(isolation):
 
 
 @pytest.mark.unit
-def test_empty_code_argument_is_reported():
+def test_empty_code_argument_is_reported(python_runner):
     """A call without code gets an error message naming the argument, not a crash."""
     result = run_code(python_runner("rlimits_unsafe"), "   ")
     assert "argument 'code' must be non-empty Python code" in result.text
@@ -294,7 +319,7 @@ def test_empty_code_argument_is_reported():
 
 @pytest.mark.unit
 @pytest.mark.parametrize("isolation", MODES)
-def test_concurrent_runs_get_distinct_unprivileged_uids(isolation):
+def test_concurrent_runs_get_distinct_unprivileged_uids(isolation, python_runner):
     """Concurrent runs run as different unprivileged uids, so they cannot signal each other or share a
     process quota; each one's output is its own."""
     if not AS_ROOT:
@@ -320,7 +345,7 @@ def test_concurrent_runs_get_distinct_unprivileged_uids(isolation):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("isolation", MODES)
-def test_output_printed_before_a_kill_is_kept(isolation):
+def test_output_printed_before_a_kill_is_kept(isolation, python_runner):
     """Output is unbuffered: what the code printed before it was killed still reaches the model."""
     runner = python_runner(isolation, timeout_s=8, cpu_time_s=1)  # the CPU limit kills it; wall slack for a loaded machine
     result = run_code(runner, "print('step 1 done')\nwhile True:\n    pass")
@@ -336,7 +361,10 @@ def test_shipped_python_tool_config_runs_code():
         Path(__file__).resolve().parents[1] / "tool_configs" / "python_tool_config.yaml"
     )
     runner = registry.runner("python")
-    result = run_code(runner, "import math\nprint(math.factorial(10))")
+    try:
+        result = run_code(runner, "import math\nprint(math.factorial(10))")
+    finally:
+        asyncio.run(registry.aclose())
     assert result.error is None and "stdout:\n3628800" in result.text
     assert result.metrics["isolation"] == "namespaces"
     assert registry.counts() == {"python": (1, 1)}
@@ -347,7 +375,7 @@ def test_shipped_python_tool_config_runs_code():
 
 @pytest.mark.unit
 @pytest.mark.parametrize("isolation", ["rlimits", "auto", "none"])
-def test_weak_or_unknown_isolation_is_refused_unless_named_unsafe(isolation, caplog):
+def test_weak_or_unknown_isolation_is_refused_unless_named_unsafe(isolation, caplog, python_runner):
     """No silent fallback: only 'namespaces' or an explicit 'rlimits_unsafe' (which warns) build a sandbox."""
     with pytest.raises(Exception, match="rlimits_unsafe"):
         python_runner(isolation)
@@ -358,7 +386,7 @@ def test_weak_or_unknown_isolation_is_refused_unless_named_unsafe(isolation, cap
 
 @pytest.mark.unit
 @needs_namespaces
-def test_world_readable_files_outside_the_work_dir_are_not_visible(tmp_path, top_level_dir):
+def test_world_readable_files_outside_the_work_dir_are_not_visible(tmp_path, top_level_dir, python_runner):
     """Escape 1 closed: a world-readable file in a world-readable directory of the host cannot be read from
     inside, wherever it lives: the test's temp dir, the repository, a top-level directory no list names (as a
     CI runner's checkout root is)."""
@@ -395,7 +423,7 @@ def top_level_dir():
 
 @pytest.mark.unit
 @needs_namespaces
-def test_an_interpreter_outside_the_system_dirs_runs_while_its_neighbours_stay_covered(top_level_dir):
+def test_an_interpreter_outside_the_system_dirs_runs_while_its_neighbours_stay_covered(top_level_dir, python_runner):
     """The interpreter's own prefix is bound back when it lives under a covered top-level directory; the
     rest of that directory stays covered."""
     python = top_level_dir / "py" / "bin" / "python3"
@@ -418,7 +446,7 @@ print("TOP", sorted(os.listdir({str(top_level_dir)!r})))
 
 @pytest.mark.unit
 @needs_namespaces
-def test_files_left_in_tmp_var_tmp_dev_shm_do_not_outlive_the_call():
+def test_files_left_in_tmp_var_tmp_dev_shm_do_not_outlive_the_call(python_runner):
     """Escape 2 closed: files written to /tmp, /var/tmp and /dev/shm are not on the host and not seen by the
     next call."""
     tag = f"polyturn-escape-{random.randrange(10**9)}"
@@ -440,7 +468,7 @@ for d in ["/tmp", "/var/tmp", "/dev/shm"]:
 
 @pytest.mark.integration
 @needs_namespaces
-def test_setsid_double_fork_does_not_outlive_the_call(tmp_path):
+def test_setsid_double_fork_does_not_outlive_the_call(tmp_path, python_runner):
     """Escape 3 closed: a grandchild detached with setsid (out of the run's process group) dies with the call."""
     runner = python_runner("namespaces")
     code = """
@@ -461,7 +489,7 @@ print("detached")
 
 @pytest.mark.unit
 @needs_namespaces
-def test_code_that_strips_python_guards_still_cannot_reach_the_host():
+def test_code_that_strips_python_guards_still_cannot_reach_the_host(python_runner):
     """Escape 4 closed: without any in-process hook to remove, code that starts programs and opens sockets
     reaches neither the host's network nor its files."""
     server = socket.socket()
@@ -487,3 +515,106 @@ except OSError as e:
         server.close()
     assert "NO NETWORK" in result.text and "CONNECTED" not in result.text
     assert not Path("/tmp", tag).exists()
+
+
+# ---------------------------------------------------------------- the warm pool (rollout.tools.sandbox_pool)
+
+
+@pytest.fixture
+def pool_loop(event_loop_policy):
+    """The pool tests run once per loop (the "-pool" param would only repeat the uvloop run)."""
+    if event_loop_policy.endswith("-pool"):
+        pytest.skip("pool tests set their own pool; covered by the asyncio and uvloop runs")
+    return event_loop_policy
+
+
+@pytest.mark.unit
+@needs_namespaces
+def test_a_pooled_call_never_sees_another_calls_state(pool_loop, python_runner):
+    """Isolation between calls on one pool: a call that sets globals and environment, writes files, and leaves
+    a thread and a child process behind; the next call (also warm) sees none of it, and the child is gone."""
+    runner = python_runner("namespaces", pool_size=1)
+    first = run_code(runner, """
+import builtins, os, subprocess, sys, threading, time
+builtins.LEAKED = sys.LEAKED = 1
+os.environ["LEAKED"] = "1"
+open("/tmp/leaked", "w").write("x")
+open("leaked-cwd", "w").write("x")
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+child = subprocess.Popen(["sleep", "60"])
+print("LEFT", threading.active_count(), child.pid)
+""")
+    assert first.metrics["warm"] and "LEFT 2" in first.text, first.text
+    assert survivors(runner) == set()
+    assert runner.tool.pool.wait_ready(60)
+    second = run_code(runner, """
+import builtins, os, sys, threading
+others = sorted(int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, os.getpid()))
+print("SEEN", hasattr(builtins, "LEAKED"), hasattr(sys, "LEAKED"), "LEAKED" in os.environ,
+      os.path.exists("/tmp/leaked"), os.path.exists("leaked-cwd"), threading.active_count(), others)
+""")
+    assert second.metrics["warm"] and second.metrics["uid"] != first.metrics["uid"]
+    assert "SEEN False False False False False 1 []" in second.text, second.text
+
+
+@pytest.mark.integration
+@needs_namespaces
+def test_pool_replaces_dead_and_timed_out_workers(pool_loop, python_runner):
+    """A worker killed while idle is skipped and replaced; a call that times out is killed and replaced; the
+    pool is full again after both and every later call works."""
+    runner = python_runner("namespaces", pool_size=2, wall_timeout_s=2)
+    pool = runner.tool.pool
+    os.killpg(pool.idle_pids()[0], 9)
+    assert_later_calls_work(runner)
+    result = run_code(runner, "import time\ntime.sleep(60)")
+    assert result.metrics["exit_code"] < 0 and "timed out after 2s" in result.text
+    assert pool.wait_ready(60) and len(pool.idle_pids()) == 2
+    assert survivors(runner) == set()
+    assert_later_calls_work(runner)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("isolation", MODES)
+def test_closing_the_pool_leaves_no_process(isolation, pool_loop, python_runner):
+    """Shutdown: after a call, closing the tool kills every idle worker: no sandbox process is left, and the
+    closed pool refuses further runs with a message saying so."""
+    if not AS_ROOT:
+        pytest.skip("processes are identified by the sandbox uid, drawn only when privileges are dropped")
+    runner = python_runner(isolation, pool_size=3)
+    assert len(runner.tool.pool.idle_pids()) == 3
+    assert_later_calls_work(runner)
+    asyncio.run(runner.tool.close())
+    assert survivors(runner, include_idle=True) == set()
+    with pytest.raises(RuntimeError, match="pool is closed"):
+        run_code(runner, "print(1)")
+
+
+@pytest.mark.integration
+@needs_namespaces
+def test_idle_workers_die_with_their_owner(pool_loop):
+    """No orphans even without close: when the process owning a full pool is killed, its idle workers read
+    end-of-file for their code and exit."""
+    if not AS_ROOT:
+        pytest.skip("processes are identified by the sandbox uid, drawn only when privileges are dropped")
+    low = random.randrange(10_000_000, 900_000_000)
+    owner = f"""
+import os, sys
+from rollout.tools.sandbox import Sandbox
+from rollout.tools.sandbox_pool import SandboxPool
+pool = SandboxPool(Sandbox(uid_range=({low}, {low + 1000})), 3)
+pool.start()
+assert pool.wait_ready(60)
+print("READY", flush=True)
+os.kill(os.getpid(), 9)
+"""
+    proc = subprocess.run([sys.executable, "-c", owner], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=120)
+    assert "READY" in proc.stdout, proc.stderr[-2000:]
+
+    def left():
+        return {pid for pid, (uid, _, state) in _proc_table().items() if low <= uid < low + 1000 and state not in "ZX"}
+
+    deadline = time.monotonic() + 5.0
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left() == set()

@@ -7,16 +7,20 @@ size, truncated output). The step reward is 0.0: this tool computes, it does not
 Config keys (YAML `config`): `timeout_s` is the runner's limit and, minus one second, the
 sandbox's wall-clock limit; `cpu_time_s`, `memory_mb`, `file_size_mb`, `max_processes`,
 `disk_mb`, `max_output_bytes` map to `SandboxLimits`; `isolation` ("namespaces", the default,
-or "rlimits_unsafe", which is not a sandbox); `python_executable`; `uid_range` ([low, high): uids drawn per run when running as root).
+or "rlimits_unsafe", which is not a sandbox); `python_executable`; `uid_range` ([low, high): uids drawn per run when running as root);
+`pool_size` (default 0: every call starts its sandbox) keeps that many sandboxes started ahead
+(`rollout.tools.sandbox_pool`: same containment, each used once; filling starts at the first `create`).
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import fields
 from typing import Any
 
 from rollout.tools.base import BaseTool
 from rollout.tools.sandbox import DEFAULT_UID_RANGE, Sandbox, SandboxLimits
+from rollout.tools.sandbox_pool import SandboxPool
 from rollout.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 
@@ -37,6 +41,13 @@ class PythonTool(BaseTool):
             python_executable=self.config.get("python_executable"),
             uid_range=tuple(self.config.get("uid_range", DEFAULT_UID_RANGE)),
         )
+        pool_size = int(self.config.get("pool_size", 0))
+        self.pool = SandboxPool(self.sandbox, pool_size) if pool_size > 0 else None
+
+    async def create(self, instance_id: str | None = None, **kwargs: Any):
+        if self.pool is not None:
+            self.pool.start()  # not at load: data preparation builds tools for their schemas only
+        return await super().create(instance_id, **kwargs)
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any):
         code = parameters.get(self.code_argument)
@@ -46,7 +57,7 @@ class PythonTool(BaseTool):
                 0.0,
                 {"exit_code": None},
             )
-        result = await self.sandbox.run(code)
+        result = await (self.pool or self.sandbox).run(code)
         metrics = {
             "exit_code": result.exit_code,
             "timed_out": result.timed_out,
@@ -54,5 +65,10 @@ class PythonTool(BaseTool):
             "duration_s": result.duration_s,
             "isolation": result.isolation,
             "uid": result.uid,
+            "warm": result.warm,
         }
         return ToolResponse(text=result.to_text()), 0.0, metrics
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            await asyncio.to_thread(self.pool.close)

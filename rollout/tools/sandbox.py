@@ -33,6 +33,10 @@ process alive past the call (`setsid` + double fork escapes the process group), 
 audit hook from inside. There is no silent fallback: with `isolation: namespaces` (the
 default) and no working `unshare`, building the sandbox fails naming the fix.
 
+A run is split in two: `start_worker` starts the sandbox up to an interpreter waiting for code,
+`run_on` runs the code there and kills it. `run` does both; `rollout.tools.sandbox_pool` does the
+first ahead of time, so a call pays only the second, with the containment unchanged.
+
 Departs from typical RL sandboxes (SandboxFusion, E2B): no server, no container image; a run
 costs one `python3` start (~30 ms) and works offline on any Linux host.
 """
@@ -70,10 +74,26 @@ def _polyturn_guard(event, args, _blocked=("socket.", "ctypes.", "subprocess.Pop
     if event.startswith(_blocked):
         raise PermissionError(f"sandbox: {event} is not allowed")
 _s.addaudithook(_polyturn_guard)
-_code = _s.stdin.read()
 del _polyturn_guard
-exec(compile(_code, "<stdin>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 """
+# How every sandboxed interpreter runs the code: it says it is ready (b"R" on stdout, read by
+# `Sandbox.start_worker`), reads the code to EOF, says it starts it (b"S", stripped by `Sandbox._run`:
+# a sandbox that died before has run nothing) and runs it as `__main__` in a fresh namespace.
+_RUN_PRELUDE = """\
+import sys as _s
+_s.stdout.buffer.write(b"R")
+_c = _s.stdin.read()
+_s.stdout.buffer.write(b"S")
+exec(compile(_c, "<stdin>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+"""
+
+
+class SandboxStartError(RuntimeError):
+    """A sandbox could not be started (the message says why); `uid` is the uid it was given."""
+
+    def __init__(self, message: str, uid: int | None):
+        super().__init__(message)
+        self.uid = uid
 
 
 @dataclass
@@ -107,6 +127,8 @@ class SandboxResult:
     duration_s: float
     isolation: str  # "namespaces" or "rlimits_unsafe"
     uid: int | None = None  # uid the code ran as (None: privileges were not dropped)
+    warm: bool = False  # ran on a sandbox started ahead of the call (rollout.tools.sandbox_pool)
+    code_started: bool = True  # False: the sandbox died before it read the code, none of which ran
     notes: list[str] = field(default_factory=list)  # human-readable reasons (limits hit)
 
     def to_text(self) -> str:
@@ -118,6 +140,15 @@ class SandboxResult:
         if self.stderr:
             parts.append("stderr:\n" + self.stderr)
         return "\n".join(parts)
+
+
+@dataclass
+class SandboxWorker:
+    """One started sandbox whose interpreter waits for code; used for one run, then killed."""
+
+    proc: asyncio.subprocess.Process | None  # the sandbox's process (group leader); None until started
+    uid: int | None  # the unprivileged uid it runs as (None: privileges not dropped)
+    workdir: str | None  # its host work dir (rlimits_unsafe only), removed with it
 
 
 def _world_executable(path: str) -> bool:
@@ -281,33 +312,35 @@ class Sandbox:
                 f"setpriv --reuid={uid} --regid={uid} --clear-groups --no-new-privs "
                 "--inh-caps=-all --bounding-set=-all -- "
             )
-        script = " && ".join(setup) + f" && cd /tmp && {drop}'{self.python}' -I -u -"
+        script = " && ".join(setup) + f" && cd /tmp && {drop}'{self.python}' -I -u -c {shlex.quote(_RUN_PRELUDE)}"
         return [self._unshare, *_unshare_flags(self.as_root), "--", "/bin/sh", "-c", script]
 
     async def run(self, code: str) -> SandboxResult:
-        """Run `code` as a script; never raises for anything the code does."""
+        """Run `code` as a script in a sandbox started for it; never raises for anything the code does."""
+        start = time.monotonic()
+        try:
+            worker = await self.start_worker()
+        except SandboxStartError as exc:
+            return self._failed_start(str(exc), start, exc.uid)
+        return await self.run_on(worker, code, start)
+
+    async def start_worker(self) -> SandboxWorker:
+        """Start a sandbox up to the point where its interpreter waits for code (namespaces, mounts, limits
+        and privilege drop all done). Raises `SandboxStartError` when it cannot; cancelling kills it."""
         uid = self._take_uid()
         workdir = None if self.isolation == "namespaces" else tempfile.mkdtemp(prefix="polyturn-sandbox-", dir=_workdir_parent())
-        try:
-            return await self._run(code, uid, workdir)
-        finally:
-            self._uids_in_use.discard(uid)
-            if workdir:
-                shutil.rmtree(workdir, ignore_errors=True)
-
-    async def _run(self, code: str, uid: int | None, workdir: str | None) -> SandboxResult:
-        start = time.monotonic()
         preexec = self._preexec
         if workdir is None:
             argv, cwd = self._namespace_argv(uid), "/"
         else:
-            argv, cwd = [self.python, "-I", "-u", "-c", _AUDIT_PRELUDE], workdir
+            argv, cwd = [self.python, "-I", "-u", "-c", _AUDIT_PRELUDE + _RUN_PRELUDE], workdir
             if uid is not None:
                 os.chown(workdir, uid, uid)
                 preexec = functools.partial(self._preexec, uid)
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir or "/tmp"}
+        worker = SandboxWorker(None, uid, workdir)
         try:
-            proc = await asyncio.create_subprocess_exec(
+            worker.proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
@@ -317,20 +350,60 @@ class Sandbox:
                 start_new_session=True,
                 preexec_fn=preexec,
             )
-        except OSError as exc:
-            return SandboxResult(
-                stdout="",
-                stderr=f"could not start the sandbox: {exc}",
-                exit_code=None,
-                timed_out=False,
-                truncated=False,
-                duration_s=time.monotonic() - start,
-                isolation=self.isolation,
-                uid=uid,
-                notes=["sandbox failed to start"],
-            )
+            # The interpreter writes one byte when it is ready for code (see _RUN_PRELUDE).
+            await asyncio.wait_for(worker.proc.stdout.readexactly(1), self.limits.wall_timeout_s)
+        except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+            stderr = await self.discard(worker)
+            raise SandboxStartError(f"could not start the sandbox: {exc!r} {stderr}".strip(), uid) from None
+        except BaseException:
+            await asyncio.shield(self.discard(worker))
+            raise
+        return worker
+
+    async def discard(self, worker: SandboxWorker) -> str:
+        """Kill a worker that will run no code (its whole process group) and free its uid and work dir;
+        returns what it wrote to stderr, if it had exited."""
+        stderr = b""
+        try:
+            if worker.proc is not None:
+                _kill_group(worker.proc.pid)
+                await worker.proc.wait()
+                stderr, _ = await asyncio.wait_for(_read_capped(worker.proc.stderr, self.limits.max_output_bytes), 2.0)
+        except TimeoutError:
+            pass
+        finally:
+            self._release(worker)
+        return stderr.decode("utf-8", "replace")
+
+    def _release(self, worker: SandboxWorker) -> None:
+        self._uids_in_use.discard(worker.uid)
+        if worker.workdir:
+            shutil.rmtree(worker.workdir, ignore_errors=True)
+
+    def _failed_start(self, why: str, start: float, uid: int | None) -> SandboxResult:
+        return SandboxResult(
+            stdout="",
+            stderr=why,
+            exit_code=None,
+            timed_out=False,
+            truncated=False,
+            duration_s=time.monotonic() - start,
+            isolation=self.isolation,
+            uid=uid,
+            notes=["sandbox failed to start"],
+        )
+
+    async def run_on(self, worker: SandboxWorker, code: str, start: float) -> SandboxResult:
+        """Run `code` on a started `worker` (used once: killed and released afterwards, also on
+        cancellation); `start` is when the call began (for `duration_s`). Never raises for the code."""
+        try:
+            return await self._run(worker.proc, code, start, worker.uid)
+        finally:
+            self._release(worker)
+
+    async def _run(self, proc: asyncio.subprocess.Process, code: str, start: float, uid: int | None) -> SandboxResult:
         max_bytes = self.limits.max_output_bytes
-        readers = asyncio.gather(_read_capped(proc.stdout, max_bytes), _read_capped(proc.stderr, max_bytes))
+        readers = asyncio.gather(_read_capped(proc.stdout, max_bytes + 1), _read_capped(proc.stderr, max_bytes))
         timed_out = False
         try:
             try:
@@ -353,8 +426,10 @@ class Sandbox:
             (out, out_cut), (err, err_cut) = await asyncio.wait_for(readers, 2.0)
         except TimeoutError:
             (out, out_cut), (err, err_cut) = (b"", True), (b"", True)
+        code_started = out[:1] == b"S"
+        out = out[1:] if code_started else out
         exit_code = proc.returncode
-        if workdir is None and exit_code is not None and exit_code > 128:
+        if self.isolation == "namespaces" and exit_code is not None and exit_code > 128:
             exit_code = 128 - exit_code  # the namespace's shell reports "killed by signal N" as 128 + N
         result = SandboxResult(
             stdout=out.decode("utf-8", "replace"),
@@ -365,6 +440,7 @@ class Sandbox:
             duration_s=time.monotonic() - start,
             isolation=self.isolation,
             uid=uid,
+            code_started=code_started,
         )
         result.notes = self._notes(result)
         return result
@@ -380,6 +456,8 @@ class Sandbox:
             notes.append(f"file size limit of {self.limits.file_size_mb} MB exceeded")
         if "MemoryError" in r.stderr:
             notes.append(f"memory limit of {self.limits.memory_mb} MB exceeded")
+        if not r.code_started and not r.timed_out:
+            notes.append("the sandbox died before it ran the code")
         if r.truncated:
             notes.append(f"output truncated to {self.limits.max_output_bytes} bytes per stream")
         return notes

@@ -1,6 +1,6 @@
 """Benchmark: async per-trajectory rollout vs a turn-synchronous batch rollout, same engine, same work.
 
-`python -m benchmarks.rollout_overlap [--trajectories 64 --turns 4 --seed 0]` starts one SGLang
+`python -m benchmarks.rollout_overlap [--trajectories 64 --turns 4 --seed 0] [--smoke]` starts one SGLang
 engine (the CPU engine on a machine without GPU) on a freshly written tiny checkpoint. Each
 trajectory makes one tool call per turn for `--turns` turns, then answers. Response lengths vary
 per turn (seeded) and are enforced with SGLang's `regex` sampling parameter (the tiny random model
@@ -12,10 +12,11 @@ for 10% (a long tail, like real sandboxes).
 - turn-synchronous baseline: at each turn every trajectory generates, the batch waits for the
   slowest, then every tool call runs, the batch waits for the slowest (older batch rollouts).
 
-Last line, JSON: `{"wall_s": w, "critical_path_s": c, "turn_sync_wall_s": s}` where `c` is the
+Last line, JSON: `{"wall_s": w, "critical_path_s": c, "turn_sync_wall_s": s}` (RESULT_KEYS) where `c` is the
 longest single trajectory's own generation + tool time in the async run. Goals: `w / c <= 1.15`
 (the async run is close to its limit) and `s / w >= 2`. A warm-up run first compiles the regex
-grammars so neither timed run pays for them.
+grammars so neither timed run pays for them. `--smoke`: 4 trajectories of 1 tool call after the shortest
+text, the same code path in seconds (the suite runs it; its figures mean nothing).
 """
 from __future__ import annotations
 
@@ -41,16 +42,17 @@ logger = logging.getLogger("benchmarks.rollout_overlap")
 FAST_S, SLOW_S, SLOW_FRACTION = 0.05, 1.0, 0.1
 LENGTHS = (8, 32, 96)  # characters of free text before each call: few distinct regexes, varied lengths
 TOOL_NAME = "wait"
+RESULT_KEYS = ("wall_s", "critical_path_s", "turn_sync_wall_s")
 
 
 class Workload:
     """The seeded work: per (trajectory, turn) a text length and a tool latency."""
 
-    def __init__(self, trajectories: int, turns: int, seed: int):
+    def __init__(self, trajectories: int, turns: int, seed: int, lengths: tuple[int, ...] = LENGTHS):
         rng = random.Random(seed)
         self.turns = turns
         self.uids = [f"t{i}" for i in range(trajectories)]
-        self.length = {(u, k): rng.choice(LENGTHS) for u in self.uids for k in range(turns + 1)}
+        self.length = {(u, k): rng.choice(lengths) for u in self.uids for k in range(turns + 1)}
         self.latency = {(u, k): SLOW_S if rng.random() < SLOW_FRACTION else FAST_S for u in self.uids for k in range(turns)}
 
     def regex(self, uid: str, turn: int) -> str:
@@ -62,7 +64,11 @@ class Workload:
 
 
 class WaitTool(BaseTool):
-    """Sleeps the workload's latency for (trajectory, turn) and answers "ok"."""
+    """Sleeps the workload's latency for (trajectory, turn) and answers "ok".
+
+    Written against the tool API's loosest form (`**kwargs` everywhere): the runner may pass the sample's
+    kwargs flat, under `create_kwargs=`, or both, so `uid` is read from either.
+    """
 
     def __init__(self, work: Workload):
         schema = OpenAIFunctionToolSchema.from_dict({"type": "function", "function": {
@@ -71,7 +77,10 @@ class WaitTool(BaseTool):
         super().__init__({"timeout_s": 10.0, "max_concurrency": 1024}, schema)
         self.work = work
 
-    async def create(self, instance_id: str | None = None, uid: str = "", **kwargs: Any):
+    async def create(self, instance_id: str | None = None, **kwargs: Any):
+        uid = kwargs.get("uid") or (kwargs.get("create_kwargs") or {}).get("uid")
+        if uid not in self.work.uids:
+            raise ValueError(f"create got no known uid in its kwargs {kwargs!r}; _prompts puts it in create_kwargs")
         return f"{uid}@{random.random()}", None
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs: Any):
@@ -116,10 +125,10 @@ def _agent_loop(engine: SteeredEngine, tokenizer: Any, work: Workload) -> AgentL
 async def run_async(loop: AgentLoop) -> tuple[float, float]:
     """The async rollout; returns (wall_s, critical_path_s)."""
     t0 = time.monotonic()
-    out = await loop.generate(_prompts(loop.tools.runner(TOOL_NAME).tool.work))
+    trajs = await loop.generate(_prompts(loop.tools.runner(TOOL_NAME).tool.work))
     wall = time.monotonic() - t0
     calls = loop.config.multi_turn.max_assistant_turns - 1
-    bad = [t for t in out.trajectories if t.finish_reason.value != "stop" or len(t.tool_calls) != calls
+    bad = [t for t in trajs if t.finish_reason.value != "stop" or len(t.tool_calls) != calls
            or any(c.error for c in t.tool_calls)]
     if bad:
         t = bad[0]
@@ -128,7 +137,7 @@ async def run_async(loop: AgentLoop) -> tuple[float, float]:
             f"({t.error}), calls {[(c.name, c.error, c.result[:80]) for c in t.tool_calls]}, "
             f"last message {t.messages[-1]['content'][-200:]!r}"
         )
-    critical = max(t.generation_time_s + t.tool_time_s for t in out.trajectories)
+    critical = max(t.generation_time_s + t.tool_time_s for t in trajs)
     return wall, critical
 
 
@@ -155,7 +164,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--trajectories", type=int, default=64)
     parser.add_argument("--turns", type=int, default=4, help="tool calls (one per turn) before the final answer")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="4 trajectories, 1 call each: the code path in seconds")
     args = parser.parse_args(argv)
+    lengths = LENGTHS
+    if args.smoke:
+        args.trajectories, args.turns, lengths = 4, 1, LENGTHS[:1]
     handler = logging.StreamHandler()  # this script's progress only; SGLang keeps its own log level
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
     logger.addHandler(handler)
@@ -172,10 +185,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     engine = SGLangEngine(model_dir, name="bench", dtype="float32", random_seed=args.seed,
                           max_total_tokens=262144, log_level="error")  # KV room for every request's max_new_tokens: admission never serializes trajectories
     try:
-        work = Workload(args.trajectories, args.turns, args.seed)
+        work = Workload(args.trajectories, args.turns, args.seed, lengths)
         loop = _agent_loop(SteeredEngine(engine, work), tokenizer, work)
-        warm = Workload(len(LENGTHS), args.turns, args.seed)  # one trajectory per length: every regex compiled once
-        warm.length = {(u, k): LENGTHS[i] for i, u in enumerate(warm.uids) for k in range(args.turns + 1)}
+        warm = Workload(len(lengths), args.turns, args.seed)  # one trajectory per length: every regex compiled once
+        warm.length = {(u, k): lengths[i] for i, u in enumerate(warm.uids) for k in range(args.turns + 1)}
         warm.latency = {key: 0.0 for key in warm.latency}
         asyncio.run(run_async(_agent_loop(SteeredEngine(engine, warm), tokenizer, warm)))
         logger.info("warm-up done")
@@ -187,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         engine.shutdown()
     result = {"wall_s": round(wall, 3), "critical_path_s": round(critical, 3), "turn_sync_wall_s": round(sync_wall, 3)}
     logger.info("w/c = %.3f (goal <= 1.15), s/w = %.3f (goal >= 2)", wall / critical, sync_wall / wall)
-    print(json.dumps(result))  # noqa: T201 - the benchmark's output line
+    print(json.dumps(result))
     return result
 
 

@@ -1,6 +1,6 @@
 """One Megatron actor update vs one plain PyTorch update of the same model on the same batch.
 
-    python -m benchmarks.train_step [--layers 4 --hidden 256 --batch 16 --seq 256 --repeats 3]
+    python -m benchmarks.train_step [--layers 4 --hidden 256 --batch 16 --seq 256 --repeats 5] [--smoke]
 
 Both sides run the same step on CPU in fp32: masked token-mean cross-entropy over the
 response tokens of a padded batch (`update_sft`, the same forward/backward/clip/Adam path as
@@ -11,7 +11,10 @@ and `torch.optim.AdamW` in this process. Each side does one warm-up step, then t
 turns for `--repeats` rounds (so load from other processes hits both alike) and the median
 step of each is reported. Threads: both sides use `--threads` intra-op threads.
 
-Last line: JSON `{"megatron_s": m, "torch_s": t, "ratio": m / t}`.
+`--smoke`: a 1-layer model of hidden 64, batch 2 x 32, one timed round: the same code path in
+seconds (the suite runs it; its figures mean nothing).
+
+Last line: JSON `{"megatron_s": m, "torch_s": t, "ratio": m / t}` (RESULT_KEYS).
 """
 from __future__ import annotations
 
@@ -30,6 +33,10 @@ import torch
 from megatron_workers import cpu_compat
 
 logger = logging.getLogger(__name__)
+
+RESULT_KEYS = ("megatron_s", "torch_s", "ratio")
+SMOKE = {"layers": 1, "hidden": 64, "heads": 4, "kv_heads": 2, "intermediate": 128, "batch": 2, "seq": 32,
+         "response": 16, "repeats": 1}
 
 
 def make_batch(vocab: int, B: int, S: int, T: int, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -100,7 +107,7 @@ def run(model_dir: Path, batch: dict[str, torch.Tensor], repeats: int, threads: 
     from megatron_workers.worker_group import MegatronWorkerGroup, ParallelLayout
 
     B = batch["input_ids"].shape[0]
-    cfg = ActorConfig(ppo_micro_batch_size_per_gpu=B, optim=OptimConfig(lr=1e-5, clip_grad=1.0),
+    cfg = ActorConfig(ppo_micro_batch_size_per_gpu=B, optim=OptimConfig(lr=1e-5, clip_grad=1.0, weight_decay=0.0),
                       megatron=MegatronConfig(dtype="float32"))  # the same precision as the plain PyTorch step
     ray.init(num_cpus=max(threads, 1), include_dashboard=False, log_to_driver=False)
     try:
@@ -131,7 +138,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--response", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="a tiny model and batch, one round: the code path in seconds")
     args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
     cpu_compat.apply_cpu_compat()  # this process's start (it imports the Megatron worker classes)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
@@ -150,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         megatron_s, torch_s = times["megatron"], times["torch"]
         logger.info("megatron step: %.3f s, torch step: %.3f s", megatron_s, torch_s)
     result = {"megatron_s": round(megatron_s, 4), "torch_s": round(torch_s, 4), "ratio": round(megatron_s / torch_s, 3)}
-    print(json.dumps(result))  # noqa: T201  (the benchmark's output contract)
+    print(json.dumps(result))
     return result
 
 

@@ -64,6 +64,8 @@ class PluginConfigError(ValueError):
 VERL_ALIASES: dict[str, str] = {
     "verl.tools.base_tool.BaseTool": "rollout.tools.base.BaseTool",
     "verl.tools.gsm8k_tool.Gsm8kTool": "rollout.tools.gsm8k_tool.Gsm8kTool",
+    # verl's remote code sandbox -> the local sandbox, verl's config keys translated
+    "verl.tools.sandbox_fusion_tools.SandboxFusionTool": "rollout.tools.sandbox_fusion.SandboxFusionTool",
     # MCP tools: one tool per server tool; results are the server's text (no search-result reformatting)
     "verl.tools.mcp_base_tool.MCPBaseTool": "rollout.tools.mcp_tool.MCPTool",
     "verl.tools.mcp_search_tool.MCPSearchTool": "rollout.tools.mcp_tool.MCPTool",

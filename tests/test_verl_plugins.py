@@ -83,6 +83,29 @@ def test_every_alias_resolves_and_an_unknown_verl_path_names_the_table():
         ToolRegistry.from_config({"tools": [tool_entry("verl.tools.geo3k_tool.Geo3kTool")]})
 
 
+@pytest.mark.unit
+def test_verls_sandbox_fusion_yaml_runs_code_in_the_local_sandbox(caplog):
+    """Contract: verl's sandbox_fusion_tool_config.yaml (byte for byte) loads; its keys become the python tool's
+    (default_timeout -> timeout_s, memory_limit_mb -> memory_mb, rate_limit / num_workers -> calls in flight, not
+    calls per second); the unused service URL is named in a warning; a non-python language is refused."""
+    with caplog.at_level("WARNING", logger="rollout.tools.sandbox_fusion"):
+        runner = ToolRegistry.from_config(VERL_FILES / "sandbox_fusion_tool_config.yaml").runner("code_interpreter")
+    assert "sandbox_fusion_url is not used" in caplog.text
+    assert (runner.limits.timeout_s, runner.limits.max_concurrency, runner.limits.rate_limit) == (30.0, 10, None)
+    assert runner.tool.sandbox.limits.memory_mb == 1024
+
+    async def run():
+        async with runner.session() as iid:
+            return await runner.execute(iid, {"code": "print(6 * 7)"})
+
+    result = asyncio.run(run())
+    assert result.error is None and "42" in result.text
+    entry = tool_entry("verl.tools.sandbox_fusion_tools.SandboxFusionTool", {"code": {"type": "string"}},
+                       default_language="nodejs")
+    with pytest.raises(PluginConfigError, match=r"config\.default_language='nodejs'.*set default_language: python"):
+        ToolRegistry.from_config({"tools": [entry]})
+
+
 # ---------------------------------------------------------------- classes on verl's own base files
 
 

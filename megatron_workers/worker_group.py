@@ -314,8 +314,9 @@ class MegatronWorkerGroup:
         """Tear down process groups and kill the actors (their placement groups are the caller's)."""
         try:
             ray.get([w.shutdown.remote() for w in self._workers], timeout=30)
-        except Exception:  # a dead actor cannot tear down; killing it below is enough
-            logger.warning("some ranks failed to shut down cleanly", exc_info=True)
+        except Exception as e:  # noqa: BLE001 - a dead actor cannot tear down; killing it below is enough
+            logger.warning("some Megatron %s ranks did not shut down cleanly (%s); killing them", self.name,
+                           type(e).__name__)
         self._kill()
 
     def _kill(self) -> None:

@@ -219,6 +219,6 @@ class EngineClient:
         """Stop the engine's subprocesses, then the actor."""
         try:
             ray.get(self.handle.shutdown.remote(), timeout=120)
-        except Exception:  # noqa: BLE001 - a dead actor has nothing left to stop; kill it below
-            logger.warning("engine %s did not shut down cleanly", self.name, exc_info=True)
+        except Exception as e:  # noqa: BLE001 - a dead actor has nothing left to stop; kill it below
+            logger.warning("engine %s did not shut down cleanly (%s); killing its actor", self.name, type(e).__name__)
         ray.kill(self.handle)

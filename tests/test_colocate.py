@@ -91,8 +91,13 @@ class FakeAgentLoop:
         self.events, self.n = events, n
         self.seeds: list[int | None] = []  # each generate call's seed
         self.tools = SimpleNamespace(aclose=self._noop)
+        self.retried = 0  # no engine faults here (tests/test_faults.py has them)
+        self.router = SimpleNamespace(engines=[], dead={}, on_dead=None, probe=self._probe)
 
     async def _noop(self) -> None:
+        return None
+
+    async def _probe(self, timeout_s: float) -> None:
         return None
 
     async def generate(self, prompts, greedy: bool = False, seed: int | None = None) -> list[Trajectory]:

@@ -70,6 +70,12 @@ class MegatronConfig:
     dtype: str = "bfloat16"
     """Parameter and activation dtype (verl's key): bfloat16 (mixed precision: fp32 main params, Adam moments and
     gradient reduction in the optimizer; log-softmax, log-probs and losses in fp32) or float32."""
+    sequence_parallel: bool | None = None
+    """Megatron sequence parallelism: the activations outside attention and MLP split over the TP ranks; None: on
+    when tensor_model_parallel_size > 1 (verl's default)."""
+    override_transformer_config: dict = field(default_factory=dict)
+    """Megatron TransformerConfig fields passed through as they are (verl's key), e.g. activation recompute:
+    {recompute_granularity: full, recompute_method: uniform, recompute_num_layers: 1}; an unknown field is refused."""
 
     def __post_init__(self) -> None:
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
@@ -77,6 +83,19 @@ class MegatronConfig:
                 raise ValueError(f"{key} is {getattr(self, key)}; it must be >= 1")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype is {self.dtype!r}; use one of {DTYPES}")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("sequence_parallel=true needs tensor_model_parallel_size > 1 (it splits activations over "
+                             "the TP ranks); drop it or raise tensor_model_parallel_size")
+        if self.override_transformer_config:
+            import dataclasses
+
+            from megatron.core.transformer.transformer_config import TransformerConfig  # only when overrides are given
+
+            known = {f.name for f in dataclasses.fields(TransformerConfig)}
+            unknown = sorted(set(self.override_transformer_config) - known)
+            if unknown:
+                raise ValueError(f"override_transformer_config.{unknown[0]} is not a field of Megatron's "
+                                 f"TransformerConfig; see megatron/core/transformer/transformer_config.py")
 
 
 @dataclass

@@ -23,17 +23,19 @@ reward kinds (outcome, tool step rewards, tools' final calc_reward, interaction 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_workers.config import ActorConfig, WorkerConfig
+from megatron_workers.config import ActorConfig, OptimConfig, WorkerConfig
 from recipe.algos import AlgorithmConfig, PolicyLossConfig, ValueLossConfig
 from recipe.checkpoint import RESUME_MODES
 from recipe.reward import CustomRewardFunctionConfig, RewardConfig
 from rollout.config import RolloutConfig
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOGGERS = ("console", "wandb")
 
@@ -119,6 +121,9 @@ class ActorSection(ActorConfig, PolicyLossConfig):
     the same section with `optim=None`.
     """
 
+    optim: OptimConfig | None = field(default_factory=lambda: OptimConfig(weight_decay=0.01))
+    """The policy's optimizer and LR schedule (verl's actor defaults: weight decay 0.01)."""
+
     def __post_init__(self) -> None:
         ActorConfig.__post_init__(self)
         PolicyLossConfig.__post_init__(self)
@@ -129,9 +134,35 @@ class CriticSection(WorkerConfig, ValueLossConfig):
     """`critic.*`: the value model (built from the policy's checkpoint, used by adv_estimator=gae): its
     ranks' `WorkerConfig` and the `ValueLossConfig`, as one section."""
 
+    optim: OptimConfig | None = field(default_factory=lambda: OptimConfig(lr=1e-5, weight_decay=0.01))
+    """The value model's optimizer and LR schedule (verl's critic defaults: lr 1e-5, weight decay 0.01)."""
+
     def __post_init__(self) -> None:
         WorkerConfig.__post_init__(self)
         ValueLossConfig.__post_init__(self)
+
+
+@dataclass
+class RefSection:
+    """`actor_rollout_ref.ref.*`: the reference policy runs on the actor's layout (`actor.megatron.*`) without an
+    optimizer; only its forward-only pass has sizes of its own (verl's keys)."""
+
+    log_prob_micro_batch_size_per_gpu: int | None = None
+    """Samples per reference log-prob pass on one rank; None: the actor's log_prob_micro_batch_size_per_gpu."""
+    log_prob_use_dynamic_bsz: bool | None = None
+    """Pack the reference pass's micro-batches by token count; None: the actor's log_prob_use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: int | None = None
+    """Token budget of one dynamic reference micro-batch; None: the actor's log_prob_max_token_len_per_gpu."""
+
+    def __post_init__(self) -> None:
+        for key in ("log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ConfigError(f"actor_rollout_ref.ref.{key} is {getattr(self, key)}; it must be >= 1 (or null)")
+
+    def reference(self, actor: ActorSection) -> ActorSection:
+        """The reference ranks' config: the actor's section, forward only, with this section's pass sizes."""
+        sizes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+        return dataclasses.replace(actor, optim=None, **sizes)
 
 
 @dataclass
@@ -142,6 +173,8 @@ class ActorRolloutRefConfig:
     """The policy checkpoint."""
     actor: ActorSection = field(default_factory=ActorSection)
     """The policy's (and reference's) Megatron ranks and loss."""
+    ref: RefSection = field(default_factory=RefSection)
+    """The reference policy's own pass sizes."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The SGLang engines and the agent loop."""
     hybrid_engine: bool = True
@@ -155,11 +188,11 @@ class TrainerConfig:
 
     project_name: str = "polyturn"
     """Project name (wandb project)."""
-    experiment_name: str = "run"
+    experiment_name: str = "gsm8k"
     """Run name (wandb run)."""
-    logger: list[str] = field(default_factory=lambda: ["console"])
-    """Metric sinks, any of console, wandb."""
-    total_training_steps: int | None = 1
+    logger: list[str] = field(default_factory=lambda: ["console", "wandb"])
+    """Metric sinks, any of console, wandb (verl's `trainer.logger=console` means [console])."""
+    total_training_steps: int | None = None
     """Steps to train; None: trainer.total_epochs passes over the training data."""
     total_epochs: int = 1
     """Passes over the training data (each reshuffled, seeded by trainer.seed) when total_training_steps is None."""
@@ -203,7 +236,7 @@ class TrainerConfig:
     max_actor_ckpt_to_keep: int | None = None
     """Checkpoints kept in default_local_dir (actor, critic and trainer state together); the oldest are removed once
     a new one is complete; None: keep all."""
-    n_gpus_per_node: int = 1
+    n_gpus_per_node: int = 8
     """GPUs per node of the trainer pool: one placement bundle and one Megatron rank of each role per GPU
     (on a Ray cluster without GPUs, a CPU-share bundle each)."""
     nnodes: int = 1
@@ -358,64 +391,6 @@ class PPOConfig:
         return _build(cls, d, "")
 
 
-# verl keys polyturn refuses by name (a key, or a section with everything under it), each with what to do instead.
-UNSUPPORTED: dict[str, str] = {
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu":
-        "the log-prob passes use actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu; set that instead",
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size":
-        "the log-prob passes use actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu; set that instead",
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu":
-        "the reference uses actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu; set that instead",
-    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz":
-        "the log-prob passes follow actor_rollout_ref.actor.use_dynamic_bsz; set that instead",
-    "actor_rollout_ref.actor.ppo_micro_batch_size":
-        "give the per-GPU size actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu instead",
-    "critic.ppo_micro_batch_size": "give the per-GPU size critic.ppo_micro_batch_size_per_gpu instead",
-    "actor_rollout_ref.ref": "the reference is the actor's section without an optimizer; drop actor_rollout_ref.ref.*",
-    "actor_rollout_ref.actor.fsdp_config": "polyturn trains with Megatron: use actor_rollout_ref.actor.megatron.*",
-    "actor_rollout_ref.actor.strategy": "polyturn trains with Megatron only; drop the key",
-    "critic.strategy": "polyturn trains with Megatron only; drop the key",
-    "actor_rollout_ref.rollout.mode": "the rollout is always the async agent loop; drop the key",
-    "actor_rollout_ref.rollout.enable_chunked_prefill": "SGLang's default applies; drop the key",
-    "actor_rollout_ref.model.use_remove_padding": "the Megatron ranks pack sequences their own way; drop the key",
-    "actor_rollout_ref.model.enable_gradient_checkpointing": "not wired to Megatron's recompute yet; drop the key",
-    "trainer.critic_warmup": "the critic and actor update every step; drop the key",
-    "reward_model": "rewards come from recipe.reward (custom_reward_function.*, reward.*); a model reward is not "
-                    "supported: drop reward_model.*",
-    "data.filter_overlong_prompts": "prompts longer than data.max_prompt_length are always dropped at load (verl's "
-                                    "filter_overlong_prompts=True); drop the key",
-    "data.truncation": "prompts are never truncated: longer ones than data.max_prompt_length are dropped at load; "
-                       "drop the key",
-    "data.return_raw_chat": "the agent loop always renders the raw chat messages itself; drop the key",
-}
-
-
-def _unsupported(key: str) -> str | None:
-    """The advice for a refused verl key (itself or a section above it), else None."""
-    parts = key.split(".")
-    for i in range(len(parts), 0, -1):
-        advice = UNSUPPORTED.get(".".join(parts[:i]))
-        if advice is not None:
-            return advice
-    return None
-
-
-def refuse_unsupported_overrides(overrides: list[str]) -> None:
-    """Refuse command-line overrides (`key=value`, `+key=value`) that set refused verl keys, naming each (one line
-    each, in order) and what to do instead; run before Hydra composes (which would stop at the first such key with
-    a bare "not in struct")."""
-    refused = []
-    for arg in overrides:
-        if arg.startswith("-") or "=" not in arg:
-            continue
-        key = arg.split("=", 1)[0].lstrip("+~")
-        advice = _unsupported(key)
-        if advice is not None:
-            refused.append(f"not supported by polyturn: {key}; {advice}")
-    if refused:
-        raise ConfigError("\n".join(refused))
-
-
 def _section_type(hint: Any) -> type | None:
     """The dataclass a field holds (`X` or `X | None`), or None for a leaf."""
     options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
@@ -431,13 +406,10 @@ def _build(cls: type, d: Any, prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - names)
-    for key in unknown:
-        advice = _unsupported(prefix + key)
-        if advice is not None:
-            raise ConfigError(f"not supported by polyturn: {prefix + key}; {advice}")
     if unknown:
-        raise ConfigError(f"unknown config key(s) {[prefix + k for k in unknown]}; {where} has {sorted(names)} "
-                          "(check the spelling, or add the key to recipe/config_schema.py)")
+        near = difflib.get_close_matches(unknown[0], sorted(names), n=1)
+        raise ConfigError(f"unknown config key(s) {[prefix + k for k in unknown]}" +
+                          (f"; did you mean {prefix + near[0]}?" if near else f"; {where} has {sorted(names)}"))
     kwargs = {}
     for key, value in d.items():
         section = _section_type(hints[key])
@@ -473,6 +445,47 @@ def _check_type(value: Any, hint: Any, key: str) -> Any:
     raise ConfigError(f"{key}={value!r} has type {type(value).__name__}; it must be {hint}")
 
 
+def defaults(cls: type = PPOConfig) -> dict[str, Any]:
+    """Every default of the config tree as a nested dict, read from the dataclass fields (no instance is built, so
+    no validation runs): the base Hydra node that `ppo_trainer.yaml` and the presets override."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        section = _section_type(hints[f.name])
+        if section is not None and f.default_factory is section:
+            out[f.name] = defaults(section)
+        elif section is not None:  # a section whose default is a configured instance (the critic's optimizer)
+            out[f.name] = dataclasses.asdict(f.default_factory())
+        elif f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        else:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def register_configs() -> None:
+    """Register the dataclasses' defaults with Hydra's ConfigStore as `ppo_trainer_schema`, the first entry of
+    `ppo_trainer.yaml`'s defaults list (so a preset holds only what it changes). Called once below, at import, as
+    Hydra's structured configs are: whoever composes a preset has imported this module."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="ppo_trainer_schema", node=defaults())
+
+
+def dict_keys(cls: type = PPOConfig, prefix: str = "") -> list[str]:
+    """The dotted keys of free-form mapping fields (`reward_kwargs`, `override_transformer_config`): any key under
+    them is accepted as it is."""
+    hints = typing.get_type_hints(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        section = _section_type(hints[f.name])
+        if section is not None:
+            keys.extend(dict_keys(section, f"{prefix}{f.name}."))
+        elif hints[f.name] is dict or typing.get_origin(hints[f.name]) is dict:
+            keys.append(prefix + f.name)
+    return keys
+
+
 def flat_keys(cls: type = PPOConfig, prefix: str = "") -> list[str]:
     """Every dotted leaf key the config accepts (the public config surface)."""
     hints = typing.get_type_hints(cls)
@@ -484,3 +497,6 @@ def flat_keys(cls: type = PPOConfig, prefix: str = "") -> list[str]:
         else:
             keys.append(prefix + f.name)
     return sorted(keys)
+
+
+register_configs()

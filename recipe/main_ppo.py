@@ -21,14 +21,21 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, NoReturn
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+import cpu_standins
 from megatron_workers import cpu_compat
 from megatron_workers.worker_group import RankFailure
-from recipe import checkpoint
-from recipe.config_schema import PPOConfig, RayInitConfig, is_hub_id, refuse_unsupported_overrides
+from recipe import checkpoint, launch, preflight
+from recipe.config_schema import (
+    ConfigError,
+    PPOConfig,
+    RayInitConfig,
+    is_hub_id,
+)
 from recipe.data.dataset import PromptBatch, RLDataset
 from recipe.flops import MFU
 from recipe.logs import setup_logging
@@ -38,6 +45,7 @@ from recipe.reward import RewardFn
 from recipe.tracking import Tracking
 from recipe.trainer import RunFailed, Trainer, Workers, move_megatron_state
 from recipe.validation import Validator, validation_loop
+from rollout.plugins import PluginConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +60,13 @@ def model_dir(cfg: PPOConfig) -> str:
     if is_hub_id(m.path):
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(m.path)
+        try:
+            return snapshot_download(m.path)
+        except Exception as err:  # no network, no such repo, gated: one line, the key and both readings of it
+            logger.debug("hub download of %s failed: %r", m.path, err)
+            raise ConfigError(f"actor_rollout_ref.model.path={m.path!r} is not a directory here and could not be "
+                              "fetched as a hub id (no network, no such repository, or a gated one); give an existing "
+                              "checkpoint directory or a reachable hub id") from err
     return m.path
 
 
@@ -97,7 +111,7 @@ def build_workers(cfg: PPOConfig, model_path: str, plan: PlacementPlan) -> Worke
 
     temperature = ar.rollout.temperature
     actor = group("actor", MegatronActor, ar.actor, temperature=temperature)
-    ref = group("ref", MegatronActor, dataclasses.replace(ar.actor, optim=None), temperature=temperature) \
+    ref = group("ref", MegatronActor, ar.ref.reference(ar.actor), temperature=temperature) \
         if "ref" in plan.roles else None
     critic = group("critic", MegatronCritic, cfg.critic) if "critic" in plan.roles else None
     # The engines size their KV cache from the GPU memory free when they start: offload the training state first.
@@ -122,12 +136,27 @@ def build_workers(cfg: PPOConfig, model_path: str, plan: PlacementPlan) -> Worke
                    colocated=plan.hybrid and placement.use_gpus, placement=placement)
 
 
-def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Iterator[PromptBatch]]:
-    """Everything a run needs, started: the trainer and its endless prompt batches; with a checkpoint to resume
-    (`trainer.resume_mode`), the trainer is restored from it and the engines synced before this returns."""
+@dataclasses.dataclass
+class Prepared:
+    """What `prepare` checked and loaded before Ray starts."""
+
+    plan: PlacementPlan  # the placement groups and who gets which bundles
+    resume: Path | None  # the checkpoint to continue from
+    state: checkpoint.TrainerState | None  # its step and wandb run
+    path: str  # the model directory
+    tokenizer: Any
+    tools: Any  # ToolRegistry
+    interactions: Any  # InteractionRegistry
+    dataset: RLDataset
+    val_prompts: list | None  # validation prompts (uid val/<i>), or None without data.val_files
+
+
+def prepare(cfg: PPOConfig) -> Prepared:
+    """Everything checked and loaded before Ray starts (recipe.preflight): the placement plan, the checkpoint to
+    resume, the model directory (config.json, tokenizer, layout against its heads and layers), the memory plan, the
+    tool and interaction YAML, the data (batch size, a scorer per data source); raises ConfigError naming the key."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from rollout.agent_loop import AgentLoop
     from rollout.interactions.registry import InteractionRegistry
     from rollout.tools.registry import ToolRegistry
 
@@ -135,7 +164,10 @@ def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Ite
     resume = checkpoint.resume_dir(cfg.trainer.resume_mode, cfg.trainer.default_local_dir, cfg.trainer.resume_from_path)
     state = checkpoint.TrainerState.read(resume) if resume is not None else None  # the step and wandb run it continues
     path = model_dir(cfg)
-    check_memory(cfg, plan, AutoConfig.from_pretrained(path), driver_gpu_bytes())  # hybrid: refuses a plan that cannot fit
+    preflight.check_model_dir(path)
+    hf_config = AutoConfig.from_pretrained(path)
+    preflight.check_layout(cfg, hf_config)
+    check_memory(cfg, plan, hf_config, driver_gpu_bytes())  # hybrid: refuses a plan that cannot fit
     tokenizer = AutoTokenizer.from_pretrained(path)
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     # multi_turn.enable=false: single turn, so no tool or interaction is loaded (rows' kwargs are dropped at load)
@@ -150,7 +182,24 @@ def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Ite
                              max_prompt_length=cfg.data.max_prompt_length)
         val_prompts = [dataclasses.replace(p, uid=f"val/{i}") for i, p in enumerate(val_data.items)]
         logger.info("validation data: %d prompts from %s", len(val_prompts), cfg.data.val_files)
+    preflight.check_data(cfg, len(dataset), {p.data_source for p in dataset.items + (val_prompts or [])})
+    return Prepared(plan, resume, state, path, tokenizer, tools, interactions, dataset, val_prompts)
+
+
+def build(cfg: PPOConfig, config_dict: dict | None = None,
+          prepared: Prepared | None = None) -> tuple[Trainer, Iterator[PromptBatch]]:
+    """Everything a run needs, started (after `prepare`, unless given its result): the trainer and its endless
+    prompt batches; with a checkpoint to resume (`trainer.resume_mode`), the trainer is restored from it and the
+    engines synced before this returns."""
+    from transformers import AutoConfig
+
+    from rollout.agent_loop import AgentLoop
+
+    p = prepared or prepare(cfg)
+    plan, resume, state, path, tokenizer = p.plan, p.resume, p.state, p.path, p.tokenizer
+    tools, interactions, dataset, val_prompts = p.tools, p.interactions, p.dataset, p.val_prompts
     start_ray(cfg.ray_init)
+    cpu_standins.check_ray_node_gpus()  # a node whose GPUs torch cannot use stops here, before anything is placed
     workers = build_workers(cfg, path, plan)
     loop = AgentLoop(workers.engines, tokenizer, cfg.actor_rollout_ref.rollout, tools=tools, interactions=interactions)
     t = cfg.trainer
@@ -176,11 +225,11 @@ def build(cfg: PPOConfig, config_dict: dict | None = None) -> tuple[Trainer, Ite
     return trainer, batches
 
 
-def run(cfg: PPOConfig, config_dict: dict | None = None) -> None:
+def run(cfg: PPOConfig, config_dict: dict | None = None, prepared: Prepared | None = None) -> None:
     """Build, train for `trainer.total_training_steps`, shut everything down."""
     import ray
 
-    trainer, batches = build(cfg, config_dict)
+    trainer, batches = build(cfg, config_dict, prepared)
     try:
         trainer.fit(batches)
     finally:
@@ -191,20 +240,49 @@ def run(cfg: PPOConfig, config_dict: dict | None = None) -> None:
 # A fault that stopped a run (recipe.trainer, megatron_workers.worker_group): one line, exit 1.
 RUN_FAULTS = (RunFailed, RankFailure)
 
+# A launch mistake: printed as one line (HYDRA_FULL_ERROR=1: raised, traceback included).
+USER_ERRORS = (ConfigError, PluginConfigError)
 
-@hydra.main(config_path="config", config_name="ppo_trainer", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    """Hydra entry: validate the config, then `run`."""
-    cpu_compat.apply_cpu_compat()  # this process's start (it imports the Megatron worker classes)
-    setup_logging()  # keeps Hydra's log file handler; filters third-party import noise
-    config_dict = OmegaConf.to_container(cfg, resolve=True)
+
+def report(err: BaseException) -> NoReturn:
+    """Print a launch mistake as one line and exit 2; with HYDRA_FULL_ERROR=1, raise it with its traceback."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise err
+    print(f"polyturn: error: {launch.one_line(err)}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The entry point: read the command line (verl's keys, recipe.launch), compose and validate, then hand the
+    cleaned overrides to Hydra's app (its run directory, log file and logging), which checks the model and data and
+    runs. Every launch mistake before Ray is one line and exit code 2."""
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        run(PPOConfig.from_dict(config_dict), config_dict)
-    except RUN_FAULTS as err:  # a fault that stopped the run: one line, exit 1 (details logged above it)
-        print(f"polyturn: error: {err}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        plan = launch.load(argv)[2]
+    except USER_ERRORS as err:
+        report(err)
+
+    @hydra.main(config_path="config", config_name=plan.config_name, version_base="1.3")
+    def app(cfg: DictConfig) -> None:
+        cpu_compat.apply_cpu_compat()  # this process's start (it imports the Megatron worker classes)
+        setup_logging()  # keeps Hydra's log file handler; filters third-party import noise
+        if plan.warning():
+            logger.warning("%s", plan.warning())
+        config_dict = OmegaConf.to_container(cfg, resolve=True)
+        try:
+            config = PPOConfig.from_dict(config_dict)
+            prepared = prepare(config)  # the model and data checks, before Ray
+        except USER_ERRORS as err:
+            report(err)
+        try:
+            run(config, config_dict, prepared)
+        except RUN_FAULTS as err:  # a fault that stopped the run: one line, exit 1 (details logged above it)
+            print(f"polyturn: error: {err}", file=sys.stderr, flush=True)
+            sys.exit(1)
+
+    sys.argv = [sys.argv[0], *plan.hydra_flags, *plan.overrides]
+    app()
 
 
 if __name__ == "__main__":
-    refuse_unsupported_overrides(sys.argv[1:])  # a verl key we refuse is named before Hydra's "not in struct"
     main()

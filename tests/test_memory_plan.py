@@ -54,7 +54,8 @@ def test_qwen_3b_preset_fits_an_80gb_gpu(tmp_path, caplog):
 def test_plans_that_cannot_fit_are_refused_naming_the_keys(tmp_path):
     """Contract: resident training state next to a large engine share, an engine share smaller than its weights,
     and training state larger than the GPU are each refused with the keys to change; fp32 costs more than bf16."""
-    cfg, plan = preset(tmp_path, ["actor_rollout_ref.rollout.gpu_memory_utilization=0.9"])
+    resident = [k.replace("=true", "=false") for k in OFFLOAD]  # the preset offloads; keep the state resident
+    cfg, plan = preset(tmp_path, [*resident, "actor_rollout_ref.rollout.gpu_memory_utilization=0.9"])
     with pytest.raises(ConfigError, match="param_offload=true.*gpu_memory_utilization"):
         plan_memory(cfg, plan, QWEN25_3B, GPU_80GB).check()
     cfg, plan = preset(tmp_path, OFFLOAD + ["actor_rollout_ref.rollout.gpu_memory_utilization=0.03"])

@@ -1,0 +1,332 @@
+"""The command line before Hydra: verl's launch lines as they are, and every launch mistake as one line.
+
+`prepare(argv)` reads `python -m recipe.main_ppo` arguments the way Hydra will, and decides for
+each override, by verl's key table `VERL_KEYS` and the schema's keys:
+
+- honoured: a polyturn key, or a verl key renamed onto its counterpart here
+  (`rollout.log_prob_*` -> `actor.log_prob_*`, `model.enable_gradient_checkpointing` ->
+  Megatron's full activation recompute, `actor.megatron.seed` -> `trainer.seed`), or a verl key
+  whose value is what polyturn always does (`data.return_raw_chat=True`);
+- warned: verl-internal tuning knobs with no counterpart here (profiler, wake-up staging, FSDP
+  knobs ...), dropped, all listed in ONE start-up warning;
+- refused: everything whose silent loss would change the result, and typos (with "did you
+  mean"), keys given twice, `--config-path`: ALL refusals in one `ConfigError`, before Hydra.
+
+`load(argv)` then composes with Hydra's compose API and builds the typed `PPOConfig`, so Hydra's
+own errors (its struct "use +key" advice among them) never reach the user; the entry point
+prints a `ConfigError` as one line and exits 2 (`HYDRA_FULL_ERROR=1` re-raises it, traceback
+included).
+"""
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recipe.config_schema import (
+    ConfigError,
+    PPOConfig,
+    dict_keys,
+    flat_keys,
+)
+
+logger = logging.getLogger(__name__)
+
+CONFIG_DIR = Path(__file__).resolve().parent / "config"
+PRESETS = tuple(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if p.stem != "sft_trainer"))
+# Hydra's flags that take a value in the next argument, and those that stand alone (passed through).
+_FLAGS_WITH_VALUE = ("--config-name", "-cn", "--config-dir", "-cd", "--cfg", "-c", "--package", "-p")
+_FLAGS = ("--multirun", "-m", "--resolve", "--info", "-i", "--help", "-h", "--hydra-help")
+_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What one verl key becomes. `accept`: the values polyturn honours as they are (None: any value);
+    `rename`: the polyturn key that takes the value; `expand`: the overrides a value becomes; `warn`: a knob with no
+    effect here (dropped, listed in the start-up warning); `same_as`: the key is accepted when the composed config's
+    `same_as` key holds the same value (checked after composing); `why`: what happens here and the fix."""
+
+    why: str
+    accept: tuple | None = ()
+    rename: str | None = None
+    expand: Callable[[Any], dict[str, Any]] | None = None
+    warn: bool = False
+    same_as: str | None = None
+
+
+_LOG_PROB = ("log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")
+_LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "param_offload", "grad_offload",
+           "optimizer_offload", "dtype", "sequence_parallel")
+
+# verl keys that are not polyturn keys, by dotted key or by a section with everything under it.
+VERL_KEYS: dict[str, Rule] = {
+    **{f"actor_rollout_ref.rollout.{k}": Rule(f"the actor's old-log-prob pass size: actor_rollout_ref.actor.{k}",
+                                              rename=f"actor_rollout_ref.actor.{k}") for k in _LOG_PROB},
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size": Rule(
+        "give the per-GPU size actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu instead"),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size": Rule(
+        "give the per-GPU size actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu instead"),
+    "actor_rollout_ref.actor.ppo_micro_batch_size": Rule(
+        "give the per-GPU size actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu instead"),
+    "critic.ppo_micro_batch_size": Rule("give the per-GPU size critic.ppo_micro_batch_size_per_gpu instead"),
+    "actor_rollout_ref.model.enable_gradient_checkpointing": Rule(
+        "true: Megatron's full activation recompute (actor_rollout_ref.actor.megatron.override_transformer_config."
+        "recompute_granularity=full); false: none", accept=(False,),
+        expand=lambda v: {f"actor_rollout_ref.actor.megatron.override_transformer_config.{k}": x
+                          for k, x in _RECOMPUTE.items()} if v else {}),
+    "actor_rollout_ref.actor.megatron.seed": Rule(
+        "Megatron's RNG is seeded by trainer.seed (with the data order and sampling): set trainer.seed",
+        rename="trainer.seed"),
+    "actor_rollout_ref.actor.megatron.context_parallel_size": Rule(
+        "context parallelism is not supported: drop the key (or set 1) and use tensor_model_parallel_size",
+        accept=(1,)),
+    "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size": Rule(
+        "the interleaved pipeline schedule is not used here (same result, more pipeline bubble)", accept=(None, 1),
+        warn=True),
+    **{f"actor_rollout_ref.ref.megatron.{k}": Rule(
+        f"the reference runs on the actor's ranks: it must equal actor_rollout_ref.actor.megatron.{k}; set that "
+        "instead", same_as=f"actor_rollout_ref.actor.megatron.{k}") for k in _LAYOUT},
+    "actor_rollout_ref.ref.megatron.context_parallel_size": Rule(
+        "context parallelism is not supported: drop the key (or set 1)", accept=(1,)),
+    "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size": Rule(
+        "the interleaved pipeline schedule is not used here (same result)", accept=(None, 1), warn=True),
+    "actor_rollout_ref.ref.megatron.seed": Rule("the reference is seeded by trainer.seed", warn=True),
+    "actor_rollout_ref.actor.fsdp_config": Rule(
+        "an FSDP knob (polyturn trains with Megatron: actor_rollout_ref.actor.megatron.*)", warn=True),
+    "actor_rollout_ref.ref.fsdp_config": Rule(
+        "an FSDP knob (the reference shares actor_rollout_ref.actor.megatron.*)", warn=True),
+    "critic.model.fsdp_config": Rule("an FSDP knob (the critic uses critic.megatron.*)", warn=True),
+    "actor_rollout_ref.model.use_remove_padding": Rule(
+        "sequences are always packed without padding here", accept=(True,), warn=True),
+    "critic.model.use_remove_padding": Rule("sequences are always packed without padding here", warn=True),
+    "critic.model.enable_gradient_checkpointing": Rule("the critic does not recompute activations", warn=True),
+    "critic.model.path": Rule(
+        "the critic is built from the policy's checkpoint: it must equal actor_rollout_ref.model.path; drop the key",
+        same_as="actor_rollout_ref.model.path"),
+    "actor_rollout_ref.actor.strategy": Rule("polyturn trains with Megatron only; drop the key", accept=("megatron",)),
+    "critic.strategy": Rule("polyturn trains with Megatron only; drop the key", accept=("megatron",)),
+    "actor_rollout_ref.rollout.mode": Rule(
+        "the rollout is always the async agent loop", accept=("async",), warn=True),
+    "actor_rollout_ref.rollout.over_sample_rate": Rule(
+        "every sample here runs to its end: no early abort of the slowest ones (verl's over-sampling)", warn=True),
+    "actor_rollout_ref.rollout.multi_stage_wake_up": Rule("verl's engine wake-up staging", warn=True),
+    "actor_rollout_ref.rollout.enable_chunked_prefill": Rule("SGLang's default applies", warn=True),
+    "actor_rollout_ref.rollout.free_cache_engine": Rule("engines always release memory while Megatron trains",
+                                                        warn=True),
+    "actor_rollout_ref.rollout.trace": Rule("verl's rollout tracing (trainer.rollout_data_dir dumps trajectories)",
+                                            warn=True),
+    "actor_rollout_ref.rollout.agent": Rule("verl's agent-loop worker knobs", warn=True),
+    "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode": Rule(
+        "the engine's token ids are kept as sampled; no re-tokenization to check", warn=True),
+    "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template": Rule(
+        "the model's own chat template is used", warn=True),
+    "global_profiler": Rule("verl's profiler", warn=True),
+    "actor_rollout_ref.actor.profiler": Rule("verl's profiler", warn=True),
+    "actor_rollout_ref.ref.profiler": Rule("verl's profiler", warn=True),
+    "actor_rollout_ref.rollout.profiler": Rule("verl's profiler", warn=True),
+    "critic.profiler": Rule("verl's profiler", warn=True),
+    "trainer.critic_warmup": Rule(
+        "the critic and the actor update from the first step (no critic-only warm-up steps): drop the key or set 0",
+        accept=(0,)),
+    "data.filter_overlong_prompts": Rule(
+        "prompts longer than data.max_prompt_length are always dropped at load (verl's filter_overlong_prompts=True); "
+        "drop the key", accept=(True,)),
+    "data.truncation": Rule(
+        "prompts are never truncated: longer ones than data.max_prompt_length are dropped at load; drop the key",
+        accept=("error",)),
+    "data.return_raw_chat": Rule("the agent loop always renders the raw chat messages itself; drop the key",
+                                 accept=(True,)),
+    "data.prompt_key": Rule("rows keep verl's `prompt` column; rename the column", accept=("prompt",)),
+    "reward_model.enable": Rule("a model reward is not supported (rewards: custom_reward_function.*, reward.*)",
+                                accept=(False,)),
+    "reward_model.reward_manager": Rule("rewards come from recipe.reward (verl's naive manager)",
+                                        accept=("naive",)),
+    "reward_model": Rule("a model reward is not supported: rewards come from custom_reward_function.* and reward.*; "
+                         "drop reward_model.*"),
+}
+
+
+def _rule(key: str) -> Rule | None:
+    """The rule for `key`, or for the nearest section above it."""
+    parts = key.split(".")
+    for i in range(len(parts), 0, -1):
+        rule = VERL_KEYS.get(".".join(parts[:i]))
+        if rule is not None:
+            return rule
+    return None
+
+
+@dataclass
+class Launch:
+    """A command line, read: the preset, Hydra's own flags, the overrides Hydra gets, and what the verl keys became."""
+
+    config_name: str = "ppo_trainer"
+    """The preset (`--config-name`)."""
+    hydra_flags: list[str] = field(default_factory=list)
+    """Hydra's own flags, passed through (`--cfg job`, `-m` ...)."""
+    overrides: list[str] = field(default_factory=list)
+    """What Hydra composes: polyturn keys only."""
+    warned: list[str] = field(default_factory=list)
+    """verl keys dropped as having no effect here, each with why (the one start-up warning)."""
+    same_as: list[tuple[str, Any, str, str]] = field(default_factory=list)
+    """(verl key, its value, the polyturn key it must equal, why) checked on the composed config."""
+
+    def warning(self) -> str | None:
+        """The one start-up line listing every verl key that has no effect here, or None."""
+        if not self.warned:
+            return None
+        return f"{len(self.warned)} verl key(s) have no effect in polyturn and are ignored: " + "; ".join(self.warned)
+
+
+def _flag_value(argv: list[str], i: int) -> tuple[str, str, int]:
+    """(flag, value, next index) of a `--flag=value` or `--flag value` argument at i."""
+    arg = argv[i]
+    if "=" in arg:
+        flag, value = arg.split("=", 1)
+        return flag, value, i + 1
+    if i + 1 >= len(argv):
+        raise ConfigError(f"{arg} needs a value, e.g. {arg} cpu_tiny")
+    return arg, argv[i + 1], i + 2
+
+
+def prepare(argv: list[str]) -> Launch:
+    """Read a command line: every refusal raised at once as one ConfigError (one line), else the Launch."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    launch, refused = Launch(), []
+    raw: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("-") and arg.split("=", 1)[0] in ("--config-path", "-cp"):
+            _, value, i = _flag_value(argv, i)
+            refused.append(f"--config-path={value}: polyturn's configs live in recipe/config; drop --config-path and "
+                           f"pick one with --config-name (one of {list(PRESETS)})")
+        elif arg.startswith("-") and arg.split("=", 1)[0] in _FLAGS_WITH_VALUE:
+            flag, value, i = _flag_value(argv, i)
+            if flag in ("--config-name", "-cn"):
+                if value not in PRESETS:
+                    refused.append(f"--config-name={value}: no such preset; use one of {list(PRESETS)} (verl's "
+                                   "gsm8k_multiturn_grpo is the base ppo_trainer: drop --config-name and keep the "
+                                   "overrides)")
+                launch.config_name = value
+            else:
+                launch.hydra_flags += [flag, value]
+        elif arg.startswith("-"):
+            if arg.split("=", 1)[0] not in _FLAGS:
+                refused.append(f"{arg}: not a flag of python -m recipe.main_ppo; give key=value overrides")
+            launch.hydra_flags.append(arg)
+            i += 1
+        else:
+            raw.append(arg)
+            i += 1
+
+    known = set(flat_keys())
+    sections = {k.rsplit(".", 1)[0] for k in known if "." in k} | {k.split(".", 1)[0] for k in known}
+    dicts = set(dict_keys())
+    parser = OverridesParser.create()
+    seen: dict[str, str] = {}
+    for arg in raw:
+        try:
+            (override,) = parser.parse_overrides([arg])
+        except HydraException as err:
+            refused.append(f"{arg!r} is not a key=value override ({str(err).splitlines()[0]}); write key=value, "
+                           "quoting values with spaces")
+            continue
+        key = override.key_or_group
+        if key.startswith("hydra.") or key == "hydra":
+            launch.overrides.append(arg)
+            continue
+        value = override.value()
+        rule = _rule(key)
+        target = rule.rename if rule is not None and rule.rename else key
+        if target in seen:
+            refused.append(f"{target} is given twice ({seen[target]} and {arg}); keep one")
+            continue
+        seen[target] = arg
+        if override.is_delete():
+            refused.append(f"{arg}: keys cannot be deleted (every key has a default); drop {arg}")
+        elif rule is None:
+            if key in known or key in sections:
+                launch.overrides.append(_normalize(key, value, arg))
+            elif any(key.startswith(d + ".") for d in dicts):  # a field of a free-form mapping (reward_kwargs ...)
+                launch.overrides.append("++" + arg.lstrip("+"))
+            else:
+                near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+                refused.append(f"unknown config key {key}" + (f"; did you mean {near[0]}?" if near else
+                                                                "; see recipe/config_schema.py for the keys"))
+        elif rule.rename:
+            launch.overrides.append(f"{rule.rename}={arg.split('=', 1)[1]}")
+        elif rule.expand is not None and value not in (rule.accept or ()):
+            launch.overrides += [f"++{k}={v}" for k, v in rule.expand(value).items()]
+        elif rule.same_as is not None:
+            launch.same_as.append((key, value, rule.same_as, rule.why))
+        elif rule.accept is None or value in rule.accept:
+            if rule.warn and rule.accept is None:
+                launch.warned.append(f"{key} ({rule.why})")
+        elif rule.warn:
+            launch.warned.append(f"{key}={value} ({rule.why})")
+        else:
+            refused.append(f"{key}={value}: {rule.why}")
+    if refused:
+        raise ConfigError(" | ".join(refused) if len(refused) > 1 else refused[0])
+    return launch
+
+
+def _normalize(key: str, value: Any, arg: str) -> str:
+    """The override as Hydra should get it: `+` dropped (every key exists), verl's `trainer.logger=console` as a
+    list."""
+    if key == "trainer.logger" and isinstance(value, str):
+        return f"trainer.logger=[{value}]"
+    return arg.lstrip("+")
+
+
+def check_same_as(launch: Launch, config: dict[str, Any]) -> None:
+    """Refuse, all at once, the verl keys accepted only when they equal a polyturn key of the composed config."""
+    refused = []
+    for key, value, other, why in launch.same_as:
+        node: Any = config
+        for part in other.split("."):
+            node = node[part]
+        if value != node and not (isinstance(node, str) and str(value) and Path(str(value)).expanduser().resolve()
+                                  == Path(node).expanduser().resolve()):
+            refused.append(f"{key}={value}: {why} (it is {node!r})")
+    if refused:
+        raise ConfigError(" | ".join(refused))
+
+
+def compose(launch: Launch) -> dict[str, Any]:
+    """The composed, resolved config of a command line (Hydra's compose API; its errors as one ConfigError)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = hydra_compose(config_name=launch.config_name, overrides=launch.overrides)
+        config = OmegaConf.to_container(cfg, resolve=True)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(" ".join(str(err).split())) from err
+    check_same_as(launch, config)
+    return {k: v for k, v in config.items() if k != "hydra"}
+
+
+def load(argv: list[str]) -> tuple[PPOConfig, dict[str, Any], Launch]:
+    """A command line as the entry point reads it, before anything starts: the typed config, its plain dict, and the
+    Launch (its one warning). Raises ConfigError (one line) for any mistake."""
+    launch = prepare(argv)
+    config = compose(launch)
+    return PPOConfig.from_dict(config), config, launch
+
+
+def one_line(err: BaseException) -> str:
+    """An error as the one line the entry point prints."""
+    return " ".join(str(err).split()) or type(err).__name__
+

@@ -1,0 +1,67 @@
+"""Checks that need the model's files or the data, run before Ray starts; each failure is one ConfigError line
+naming the config key (and the model field or data file) and the fix.
+
+The config alone is checked by `recipe.config_schema`; here: the model directory's config.json and tokenizer,
+the parallel layout against the model's head and layer counts, the batch size against the rows loaded, and the
+outcome scorer of every data source (or the custom reward function).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from recipe.config_schema import ConfigError, PPOConfig
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def check_model_dir(path: str, key: str = "actor_rollout_ref.model.path") -> None:
+    """Refuse a model directory without config.json or a tokenizer, naming the directory."""
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"{key}={path}: no config.json there; point it at an HF checkpoint directory")
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError(f"{key}={path}: no tokenizer there (none of {list(TOKENIZER_FILES)}); save the tokenizer "
+                          "into the checkpoint directory (tokenizer.save_pretrained(dir))")
+
+
+def check_layout(cfg: PPOConfig, hf_config: Any) -> None:
+    """Refuse tensor / pipeline sizes the model cannot be split by, naming the config key and the model field."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    layers = hf_config.num_hidden_layers
+    sizes = [("actor_rollout_ref.actor.megatron", cfg.actor_rollout_ref.actor.megatron)]
+    if cfg.use_critic:
+        sizes.append(("critic.megatron", cfg.critic.megatron))
+    tps = [(f"{p}.tensor_model_parallel_size", m.tensor_model_parallel_size) for p, m in sizes]
+    tps.append(("actor_rollout_ref.rollout.tensor_model_parallel_size",
+                cfg.actor_rollout_ref.rollout.tensor_model_parallel_size))
+    for key, tp in tps:
+        for field, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+            if count % tp:
+                raise ConfigError(f"{key}={tp} does not divide the model's {field}={count} (config.json); use a "
+                                  f"divisor of {count}")
+    for p, m in sizes:
+        if m.pipeline_model_parallel_size > layers:
+            raise ConfigError(f"{p}.pipeline_model_parallel_size={m.pipeline_model_parallel_size} exceeds the model's "
+                              f"num_hidden_layers={layers} (config.json); use at most {layers}")
+
+
+def check_data(cfg: PPOConfig, rows: int, data_sources: set[str]) -> None:
+    """Refuse a batch larger than the data, a custom reward function that cannot be loaded, and a data source with
+    no scorer."""
+    from recipe.reward.scoring import SCORERS, load_compute_score
+
+    if cfg.data.train_batch_size > rows:
+        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} exceeds the {rows} prompts loaded from "
+                          f"data.train_files (after dropping prompts over data.max_prompt_length); lower it to <= {rows}")
+    try:
+        load_compute_score(cfg.custom_reward_function)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    if cfg.custom_reward_function.path is None:
+        missing = sorted(data_sources - set(SCORERS))
+        if missing:
+            raise ConfigError(f"data_source {missing} in data.train_files / data.val_files has no outcome scorer "
+                              f"(known: {sorted(SCORERS)}); set custom_reward_function.path=<file.py> or register "
+                              "one (recipe.reward.register_scorer)")

@@ -1,0 +1,217 @@
+"""Every launch mistake is one line before Ray: it names the key or file and the fix, the entry point exits 2 with
+no traceback (HYDRA_FULL_ERROR=1 shows one).
+
+The mistakes run in this process through the entry point's own two stages (`recipe.launch.load`: the command
+line, Hydra's compose and the typed config; `recipe.main_ppo.prepare`: the model, data and plug-in checks), the
+same calls `python -m recipe.main_ppo` makes before it starts Ray; two real subprocess runs prove the exit code
+and that no traceback is printed. README.md's "Launch mistakes" table is this list with the line each mistake
+got: `UPDATE_README=1 pytest tests/test_launch_mistakes.py -k readme` rewrites it, the test checks it.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipe import launch
+from recipe.data import gsm8k
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+START, END = "<!-- launch-mistakes:start -->", "<!-- launch-mistakes:end -->"
+RECORDS = [{"question": f"Tom has {i} boxes of 3 apples. How many apples?", "answer": f"{i} * 3 = {3 * i}\n#### {3 * i}"}
+           for i in range(2, 6)]
+
+# (mistake, its arguments after the base line ({d}: the test's directory), words the line must hold)
+MISTAKES = [
+    ("misspelt key", ["trainer.total_trainig_steps=3"], "did you mean trainer.total_training_steps?"),
+    ("unknown key", ["trainer.nonsense_key=1"], "unknown config key trainer.nonsense_key"),
+    ("key given twice", ["actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.n=8"], "given twice"),
+    ("verl's --config-path", ["--config-path=/verl/examples/config"], "drop --config-path"),
+    ("verl's --config-name", ["--config-name=gsm8k_multiturn_grpo"], "no such preset"),
+    ("value of the wrong type", ["data.train_batch_size=four"], "data.train_batch_size='four' has type str"),
+    ("override that does not parse", ["data.train_files=[a"], "not a key=value override"),
+    ("deleting a key", ["~trainer.seed"], "cannot be deleted"),
+    ("context parallelism", ["actor_rollout_ref.actor.megatron.context_parallel_size=2"],
+     "context_parallel_size=2: context parallelism is not supported"),
+    ("critic warm-up steps", ["trainer.critic_warmup=5"], "trainer.critic_warmup=5"),
+    ("reference layout unlike the actor's", ["actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2"],
+     "must equal actor_rollout_ref.actor.megatron.tensor_model_parallel_size"),
+    ("critic from another checkpoint", ["critic.model.path=/models/other"], "must equal actor_rollout_ref.model.path"),
+    ("overlong prompts kept", ["data.filter_overlong_prompts=False"], "always dropped at load"),
+    ("prompt truncation", ["data.truncation=left"], "prompts are never truncated"),
+    ("a reward model", ["reward_model.enable=True"], "a model reward is not supported"),
+    ("FSDP strategy", ["actor_rollout_ref.actor.strategy=fsdp"], "Megatron only"),
+    ("global micro-batch size", ["actor_rollout_ref.rollout.log_prob_micro_batch_size=8"], "per-GPU size"),
+    ("unknown advantage estimator", ["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator is 'ppo'"),
+    ("unknown logger", ["trainer.logger=tensorboard"], "trainer.logger has ['tensorboard']"),
+    ("mini-batch not dividing the batch", ["actor_rollout_ref.actor.ppo_mini_batch_size=3"],
+     "ppo_mini_batch_size=3 does not divide data.train_batch_size=4"),
+    ("greedy validation with n > 1", ["actor_rollout_ref.rollout.val_kwargs.n=4"], "do_sample=true"),
+    ("validation without data", ["trainer.test_freq=2"], "data.val_files is empty"),
+    ("another inference engine", ["actor_rollout_ref.rollout.name=vllm"], "polyturn drives SGLang only"),
+    ("missing data file", ["data.train_files=[{d}/nowhere.parquet]"], "data.train_files="),
+    ("missing reward file", ["custom_reward_function.path={d}/nowhere.py"], "custom_reward_function.path="),
+    ("TP not dividing the heads", ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3",
+                                   "trainer.n_gpus_per_node=3", "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+                                   "actor_rollout_ref.rollout.n=3"],
+     "tensor_model_parallel_size=3 does not divide the model's num_attention_heads=4"),
+    ("TP not dividing the KV heads", ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
+                                      "trainer.n_gpus_per_node=4"],
+     "tensor_model_parallel_size=4 does not divide the model's num_key_value_heads=2"),
+    ("engine TP not dividing the KV heads", ["actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+                                             "trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+                                             "actor_rollout_ref.rollout.n=4"],
+     "actor_rollout_ref.rollout.tensor_model_parallel_size=4 does not divide the model's num_key_value_heads=2"),
+    ("more pipeline stages than layers", ["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=3",
+                                          "trainer.n_gpus_per_node=3", "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+                                          "actor_rollout_ref.rollout.n=3"],
+     "pipeline_model_parallel_size=3 exceeds the model's num_hidden_layers=2"),
+    ("batch larger than the data", ["data.train_batch_size=8"], "data.train_batch_size=8 exceeds the 4 prompts"),
+    ("misspelt reward function", ["custom_reward_function.path={d}/reward.py", "custom_reward_function.name=score"],
+     "custom_reward_function.name='score'"),
+    ("data source without a scorer", ["data.train_files=[{d}/other_source.parquet]"],
+     "data_source ['my/benchmark'] in data.train_files / data.val_files has no outcome scorer"),
+    ("model directory without a tokenizer", ["actor_rollout_ref.model.path={d}/no_tokenizer"], "no tokenizer there"),
+    ("model directory without config.json", ["actor_rollout_ref.model.path={d}/no_config"], "no config.json there"),
+    ("relative model path that does not exist", ["actor_rollout_ref.model.path=./models/nowhere"],
+     "actor_rollout_ref.model.path='./models/nowhere': no such file or directory"),
+    ("hub id that cannot be fetched", ["actor_rollout_ref.model.path=Qwen/NoSuchModel-0B"],
+     "could not be fetched as a hub id"),
+    ("malformed tool YAML", ["actor_rollout_ref.rollout.multi_turn.tool_config_path={d}/bad_tool.yaml"],
+     "bad_tool.yaml: line 4 is not valid YAML"),
+    ("malformed interaction YAML",
+     ["actor_rollout_ref.rollout.multi_turn.interaction_config_path={d}/bad_interaction.yaml"],
+     "bad_interaction.yaml: line 4 is not valid YAML"),
+    ("tool class that does not exist", ["actor_rollout_ref.rollout.multi_turn.tool_config_path={d}/no_class.yaml"],
+     "no_class.yaml"),
+]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir, tmp_path_factory) -> tuple[Path, list[str]]:
+    """The test's directory (data, broken files) and the base command line every mistake is added to."""
+    d = tmp_path_factory.mktemp("mistakes")
+    rows = [gsm8k.make_row(r, "train", i) for i, r in enumerate(RECORDS)]
+    gsm8k.write_rows(rows, d / "train.parquet")
+    gsm8k.write_rows([{**r, "data_source": "my/benchmark"} for r in rows], d / "other_source.parquet")
+    (d / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                 "    return 0.0\n")
+    (d / "no_tokenizer").mkdir()
+    (d / "no_tokenizer" / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    (d / "no_config").mkdir()
+    bad = "tools:\n  - class_name: rollout.tools.gsm8k_tool.Gsm8kTool\n    config: {type: native\n"
+    (d / "bad_tool.yaml").write_text(bad)
+    (d / "bad_interaction.yaml").write_text(bad.replace("tools:", "interaction:"))
+    (d / "no_class.yaml").write_text("tools:\n  - class_name: my_package.tools.NoSuchTool\n    config: {}\n")
+    base = ["--config-name", "cpu_tiny", f"actor_rollout_ref.model.path={tiny_model_dir}",
+            f"data.train_files=[{d / 'train.parquet'}]", f"trainer.default_local_dir={d / 'out'}"]
+    return d, base
+
+
+def _line(argv: list[str]) -> str | None:
+    """The one line the entry point prints for `argv` before Ray, or None when it would start."""
+    from recipe.main_ppo import USER_ERRORS, prepare
+
+    try:
+        cfg, _, _ = launch.load(argv)
+        prepare(cfg)
+    except USER_ERRORS as err:
+        return launch.one_line(err)
+    return None
+
+
+def _argv(base: list[str], args: list[str], d: Path) -> list[str]:
+    flags = [a for a in args if a.startswith("-")]
+    if flags:  # a flag replaces the base's preset
+        return [*flags, *base[2:]]
+    keys = {a.split("=", 1)[0] for a in args}
+    return [*[b for b in base if b.split("=", 1)[0] not in keys], *[a.format(d=d) for a in args]]
+
+
+@pytest.fixture(scope="module")
+def lines(setup) -> list[tuple[str, list[str], str | None]]:
+    """Every mistake with the line it gets, in one process."""
+    d, base = setup
+    return [(name, args, _line(_argv(base, args, d))) for name, args, _ in MISTAKES]
+
+
+@pytest.mark.unit
+def test_the_base_line_starts(setup):
+    """Contract: the base line of the mistakes below passes every check (so each mistake is what is refused)."""
+    d, base = setup
+    assert _line(base) is None
+
+
+@pytest.mark.unit
+def test_every_launch_mistake_is_one_line_naming_the_key_and_fix(lines):
+    """Contract: each of the 30+ launch mistakes is refused before Ray with ONE line that holds the words listed for
+    it (the key or file, and the fix)."""
+    assert len(MISTAKES) >= 30
+    for (name, _, want), (_, _, got) in zip(MISTAKES, lines):
+        assert got is not None, f"{name}: accepted"
+        assert "\n" not in got and want in got, f"{name}: {got!r}"
+
+
+def _table(lines, d: Path, model: Path) -> str:
+    rows = ["| mistake | arguments | the one line (after `polyturn: error: `) |", "|---|---|---|"]
+    for name, args, line in lines:
+        shown = " ".join(args).replace("{d}", "$DIR")
+        text = (line or "").replace(str(d), "$DIR").replace(str(model), "$MODEL").replace("|", "\\|")
+        rows.append(f"| {name} | `{shown}` | {text} |")
+    return "\n".join(rows)
+
+
+@pytest.mark.unit
+def test_readme_launch_mistakes_table_is_this_list(lines, setup, tiny_model_dir):
+    """Contract: README.md's "Launch mistakes" table is generated from this test's list and the lines it got
+    (UPDATE_README=1 rewrites it)."""
+    table = _table(lines, setup[0], tiny_model_dir)
+    text = README.read_text()
+    assert START in text and END in text, f"README.md lacks the {START} ... {END} markers"
+    head, rest = text.split(START, 1)
+    current, tail = rest.split(END, 1)
+    if os.environ.get("UPDATE_README") == "1":
+        README.write_text(f"{head}{START}\n{table}\n{END}{tail}")
+    else:
+        assert current.strip() == table, "README's table is stale: UPDATE_README=1 pytest tests/test_launch_mistakes.py"
+
+
+def _run(argv: list[str], **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "recipe.main_ppo", *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **env})
+
+
+@pytest.mark.integration
+def test_the_entry_point_prints_one_line_and_exits_2(setup):
+    """Contract: `python -m recipe.main_ppo` with a mistake found inside Hydra's app (a batch larger than the data,
+    the last check before Ray) exits 2, printing one `polyturn: error:` line and no traceback, and starts nothing
+    (no metrics, no Ray)."""
+    d, base = setup
+    proc = subprocess.run([sys.executable, "-m", "recipe.main_ppo", *base, "data.train_batch_size=8"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "HYDRA_FULL_ERROR": "0"})
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("polyturn: error: ")]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert errors == ["polyturn: error: data.train_batch_size=8 exceeds the 4 prompts loaded from data.train_files "
+                      "(after dropping prompts over data.max_prompt_length); lower it to <= 4"], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr + proc.stdout and "ray" not in proc.stderr.lower()
+    assert not (d / "out" / "metrics.jsonl").exists()
+
+
+@pytest.mark.unit
+def test_hydra_full_error_shows_the_traceback(monkeypatch):
+    """Contract: the documented switch: with HYDRA_FULL_ERROR=1 a launch mistake is raised as it is (traceback
+    included) instead of printed as one line."""
+    from recipe.config_schema import ConfigError
+    from recipe.main_ppo import report
+
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(ConfigError, match="trainer.critic_warmup"):
+        report(ConfigError("trainer.critic_warmup=5: ..."))
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "0")
+    with pytest.raises(SystemExit) as exit_:
+        report(ConfigError("trainer.critic_warmup=5: ..."))
+    assert exit_.value.code == 2

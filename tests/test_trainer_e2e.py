@@ -272,3 +272,32 @@ def test_validation_metrics_and_jsonl_records(run):
     for step in range(1, steps + 1):
         rows = [json.loads(x) for x in (run["out_dir"] / "rollout_data" / f"{step}.jsonl").read_text().splitlines()]
         assert rows and all(fields <= set(r) and r["step"] == step for r in rows)
+
+
+@pytest.mark.e2e
+def test_rollout_dump_holds_what_was_trained_and_show_trajectory_prints_it(run, capsys):
+    """Contract (issue 16): the cpu_tiny run's rollout dump holds each trajectory's token ids, mask, engine log-probs
+    and weight versions (turn spans tile the response; mask 1 and a log-prob <= 0 exactly on sampled spans, which
+    carry the step's rollout weight version), and `python -m recipe.show_trajectory <dump dir>` prints the last
+    step's trajectory with every span's text, decoded with the tokenizer the dump names."""
+    from recipe import show_trajectory
+
+    steps = STEPS * len(ESTIMATORS)
+    logged = [json.loads(x) for x in (run["out_dir"] / "metrics.jsonl").read_text().splitlines()]
+    version = int(next(m["rollout/weight_version_min"] for m in logged
+                       if m["step"] == steps and "rollout/sampled_tokens" in m))
+    rows = [json.loads(x) for x in (run["out_dir"] / "rollout_data" / f"{steps}.jsonl").read_text().splitlines()]
+    for r in rows:
+        n = len(r["response_ids"])
+        assert len(r["response_mask"]) == len(r["rollout_logprobs"]) == n == r["response_tokens"] > 0
+        assert [s["start"] for s in r["turns"]] == [0] + [s["end"] for s in r["turns"][:-1]] and r["turns"][-1]["end"] == n
+        for s in r["turns"]:
+            sampled = s["role"] == "assistant"
+            assert set(r["response_mask"][s["start"]:s["end"]]) <= {int(sampled)}
+            assert s["weight_version"] == (version if sampled else None)
+        assert all(lp <= 0 if m else lp == 0 for lp, m in zip(r["rollout_logprobs"], r["response_mask"]))
+        assert r["weight_versions"] == [version] * r["num_turns"]
+    show_trajectory.main([str(run["out_dir"] / "rollout_data"), "--uid", rows[-1]["uid"], "--no-color"])
+    out = capsys.readouterr().out
+    assert out.startswith(f"uid {rows[-1]['uid']}  step {steps}  data_source {gsm8k.DATA_SOURCE}")
+    assert all(s["text"] in out for s in rows[-1]["turns"]) and f"--- sampled v{version} [0:" in out

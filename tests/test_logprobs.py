@@ -7,7 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_workers.logprobs import linear_logprobs_entropy, vocab_parallel_logprobs_entropy
+from megatron_workers.logprobs import (
+    linear_logprobs_entropy,
+    vocab_parallel_logprobs_entropy,
+)
 from megatron_workers.ports import free_port
 
 B, T, H, V = 3, 7, 16, 40  # 21 tokens: chunk sizes 1, 5 and 1024 leave ragged or single chunks

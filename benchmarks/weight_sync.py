@@ -43,7 +43,7 @@ def write_random_checkpoint(out: Path, layers: int) -> int:
     """A random bf16 HF checkpoint with Qwen2.5-0.5B's shapes (`layers` decoder layers); returns params."""
     from safetensors.torch import save_file
 
-    from megatron_workers.model import hf_tensor_shapes
+    from megatron_workers.adapters import hf_tensor_shapes
 
     config = dict(QWEN2_5_0_5B, num_hidden_layers=layers)
     out.mkdir(parents=True, exist_ok=True)

@@ -356,7 +356,11 @@ class Sandbox:
             stderr = await self.discard(worker)
             raise SandboxStartError(f"could not start the sandbox: {exc!r} {stderr}".strip(), uid) from None
         except BaseException:
-            await asyncio.shield(self.discard(worker))
+            # Cancelled: kill now, not in a task the closing loop might never run.
+            if worker.proc is not None:
+                _kill_group(worker.proc.pid)
+                worker.proc.stdin.close()
+            self._release(worker)
             raise
         return worker
 
@@ -367,6 +371,7 @@ class Sandbox:
         try:
             if worker.proc is not None:
                 _kill_group(worker.proc.pid)
+                worker.proc.stdin.close()  # with every pipe closed, the transport closes on its loop
                 await worker.proc.wait()
                 stderr, _ = await asyncio.wait_for(_read_capped(worker.proc.stderr, self.limits.max_output_bytes), 2.0)
         except TimeoutError:
@@ -376,6 +381,10 @@ class Sandbox:
         return stderr.decode("utf-8", "replace")
 
     def _release(self, worker: SandboxWorker) -> None:
+        if worker.proc is not None:
+            # Closed here, on its loop: one collected after its loop closed (a pool's, an `asyncio.run`'s)
+            # raises from `__del__`.
+            worker.proc._transport.close()  # noqa: SLF001 - asyncio.subprocess.Process has no public close
         self._uids_in_use.discard(worker.uid)
         if worker.workdir:
             shutil.rmtree(worker.workdir, ignore_errors=True)
@@ -414,7 +423,8 @@ class Sandbox:
             finally:
                 proc.stdin.close()
             try:
-                await asyncio.wait_for(proc.wait(), self.limits.wall_timeout_s)
+                # The wall clock counts from the call: a cold run's start is part of it.
+                await asyncio.wait_for(proc.wait(), max(self.limits.wall_timeout_s - (time.monotonic() - start), 0.0))
             except TimeoutError:
                 timed_out = True
         finally:

@@ -4,11 +4,11 @@
 each override, by verl's key table `VERL_KEYS` and the schema's keys:
 
 - honoured: a polyturn key, or a verl key renamed onto its counterpart here
-  (`rollout.log_prob_*` -> `actor.log_prob_*`, `model.enable_gradient_checkpointing` ->
-  Megatron's full activation recompute, `actor.megatron.seed` -> `trainer.seed`), or a verl key
+  (`rollout.log_prob_*` -> `actor.log_prob_*`, `actor.megatron.seed` -> `trainer.seed`), or a verl key
   whose value is what polyturn always does (`data.return_raw_chat=True`);
-- warned: verl-internal tuning knobs with no counterpart here (profiler, wake-up staging, FSDP
-  knobs ...), dropped, all listed in ONE start-up warning;
+- warned: verl-internal tuning knobs with no counterpart here, or none that changes the result
+  (profiler, wake-up staging, FSDP knobs, gradient checkpointing ...), dropped, all listed in ONE
+  start-up warning;
 - refused: everything whose silent loss would change the result, and typos (with "did you
   mean"), keys given twice, `--config-path`: ALL refusals in one `ConfigError`, before Hydra.
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,20 +39,18 @@ PRESETS = tuple(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if p.stem != "s
 # Hydra's flags that take a value in the next argument, and those that stand alone (passed through).
 _FLAGS_WITH_VALUE = ("--config-name", "-cn", "--config-dir", "-cd", "--cfg", "-c", "--package", "-p")
 _FLAGS = ("--multirun", "-m", "--resolve", "--info", "-i", "--help", "-h", "--hydra-help")
-_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
 @dataclass(frozen=True)
 class Rule:
     """What one verl key becomes. `accept`: the values polyturn honours as they are (None: any value);
-    `rename`: the polyturn key that takes the value; `expand`: the overrides a value becomes; `warn`: a knob with no
+    `rename`: the polyturn key that takes the value; `warn`: a knob with no
     effect here (dropped, listed in the start-up warning); `same_as`: the key is accepted when the composed config's
     `same_as` key holds the same value (checked after composing); `why`: what happens here and the fix."""
 
     why: str
     accept: tuple | None = ()
     rename: str | None = None
-    expand: Callable[[Any], dict[str, Any]] | None = None
     warn: bool = False
     same_as: str | None = None
 
@@ -74,10 +71,9 @@ VERL_KEYS: dict[str, Rule] = {
         "give the per-GPU size actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu instead"),
     "critic.ppo_micro_batch_size": Rule("give the per-GPU size critic.ppo_micro_batch_size_per_gpu instead"),
     "actor_rollout_ref.model.enable_gradient_checkpointing": Rule(
-        "true: Megatron's full activation recompute (actor_rollout_ref.actor.megatron.override_transformer_config."
-        "recompute_granularity=full); false: none", accept=(False,),
-        expand=lambda v: {f"actor_rollout_ref.actor.megatron.override_transformer_config.{k}": x
-                          for k, x in _RECOMPUTE.items()} if v else {}),
+        "activation recompute changes memory, not the result; ask Megatron for it with actor_rollout_ref.actor."
+        "megatron.override_transformer_config.recompute_granularity=full (GPU; Megatron's recompute needs CUDA RNG)",
+        accept=(False,), warn=True),
     "actor_rollout_ref.actor.megatron.seed": Rule(
         "Megatron's RNG is seeded by trainer.seed (with the data order and sampling): set trainer.seed",
         rename="trainer.seed"),
@@ -262,8 +258,6 @@ def prepare(argv: list[str]) -> Launch:
                                                                 "; see recipe/config_schema.py for the keys"))
         elif rule.rename:
             launch.overrides.append(f"{rule.rename}={arg.split('=', 1)[1]}")
-        elif rule.expand is not None and value not in (rule.accept or ()):
-            launch.overrides += [f"++{k}={v}" for k, v in rule.expand(value).items()]
         elif rule.same_as is not None:
             launch.same_as.append((key, value, rule.same_as, rule.why))
         elif rule.accept is None or value in rule.accept:

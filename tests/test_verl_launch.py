@@ -186,6 +186,7 @@ def test_verl_3b_line_starts_and_trains_a_step(home, tiny_model_dir, tmp_path):
                            f"trainer.default_local_dir={out}"], cwd=REPO, capture_output=True, text=True,
                           timeout=1200, env={**os.environ, "WANDB_MODE": "offline"})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "verl key(s) have no effect in polyturn and are ignored: actor_rollout_ref.model.enable_gradient_checkpointing" in proc.stderr
+    assert "verl key(s) have no effect in polyturn and are ignored: actor_rollout_ref.model.enable_gradient_checkpointing" in (
+        proc.stdout + proc.stderr)  # Hydra's console handler writes the log to stdout
     steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert 1 in steps

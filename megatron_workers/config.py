@@ -71,8 +71,8 @@ class MegatronConfig:
     """Parameter and activation dtype (verl's key): bfloat16 (mixed precision: fp32 main params, Adam moments and
     gradient reduction in the optimizer; log-softmax, log-probs and losses in fp32) or float32."""
     sequence_parallel: bool | None = None
-    """Megatron sequence parallelism: the activations outside attention and MLP split over the TP ranks; None: on
-    when tensor_model_parallel_size > 1 (verl's default)."""
+    """Megatron sequence parallelism (verl's key). Not available with the local layer spec (its torch norms refuse
+    it; it needs TransformerEngine's): null or false run without it, true is refused."""
     override_transformer_config: dict = field(default_factory=dict)
     """Megatron TransformerConfig fields passed through as they are (verl's key), e.g. activation recompute:
     {recompute_granularity: full, recompute_method: uniform, recompute_num_layers: 1}; an unknown field is refused."""
@@ -83,9 +83,9 @@ class MegatronConfig:
                 raise ValueError(f"{key} is {getattr(self, key)}; it must be >= 1")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype is {self.dtype!r}; use one of {DTYPES}")
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ValueError("sequence_parallel=true needs tensor_model_parallel_size > 1 (it splits activations over "
-                             "the TP ranks); drop it or raise tensor_model_parallel_size")
+        if self.sequence_parallel:
+            raise ValueError("sequence_parallel=true is not supported: the local layer spec's torch norms refuse it "
+                             "(it needs TransformerEngine, which is not installed); drop it or set it to false")
         if self.override_transformer_config:
             import dataclasses
 

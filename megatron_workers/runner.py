@@ -233,6 +233,7 @@ class MegatronRunner:
         module = mmodel.build_gpt_model(
             self.hf_config, params_dtype=self.params_dtype,
             calculate_per_token_loss=True,  # the schedule sums the callers' loss contributions
+            **self.cfg.megatron.override_transformer_config,  # verl's TransformerConfig passthrough
         )
         # Micro-batches carry their own window length; set after construction because
         # TransformerConfig's MoE checks refuse it at init even for dense models.

@@ -208,7 +208,8 @@ def test_cluster_without_the_plans_gpus_is_refused_naming_the_keys(fake_gpu_node
     import ray
 
     before = len(ray.util.placement_group_table())
-    plan = plan_placement(config(data_file, VERL_LIKE + ["trainer.nnodes=2"]))
+    plan = plan_placement(config(data_file, VERL_LIKE + ["trainer.nnodes=2",  # PP=2 spans the nodes: no GPU handover
+                                                         "actor_rollout_ref.rollout.update_weights_mode=distributed"]))
     with pytest.raises(RuntimeError, match=r"needs nodes with \[8, 8\] GPUs but the Ray cluster's nodes have \[8.0\].*"
                                            r"trainer.nnodes, trainer.n_gpus_per_node"):
         Placement(plan)

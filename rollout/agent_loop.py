@@ -269,6 +269,7 @@ class AgentLoop:
                 trajs.append(traj)
                 jobs.append(self._run(traj, schemas, partial(self._new_trajectory, p, k, tool_names, prompt_ids)))
         self._tasks = {asyncio.ensure_future(j) for j in jobs}
+        logger.info("rollout started: %d trajectories", len(self._tasks))  # the bar below is off in a log file
         bar = tqdm(total=len(self._tasks), desc="rollout", unit="traj", leave=False, disable=None)  # off unless a tty
         for task in self._tasks:
             task.add_done_callback(lambda _: bar.update())

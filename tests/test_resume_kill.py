@@ -29,7 +29,7 @@ from tests.test_trainer_e2e import CUSTOM_REWARD, RECORDS
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 2  # k + 1
-ROLLOUT_STARTS = "rollout:   0%"  # the agent loop's progress bar appearing: a rollout began
+ROLLOUT_STARTS = "rollout started: "  # the agent loop's log line: a rollout began
 MINI_BATCHES = 2  # data.train_batch_size 4 / ppo_mini_batch_size 2: optimizer steps per trainer step
 WALL_CLOCK = ("timing/", "perf/", "weight_sync/seconds", "weight_sync/send_seconds", "weight_sync/peak_extra_mb")
 

@@ -10,8 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_workers.logprobs import vocab_parallel_logprobs_entropy
-from megatron_workers.ports import free_port
 from tests.conftest import local_ray_cluster
 
 # ---------------------------------------------------------------------------------------------
@@ -77,72 +75,6 @@ def masked_pg_loss(mb: dict) -> tuple[torch.Tensor, dict]:
     return total, {"pg_loss": total.detach()}
 
 
-# ---------------------------------------------------------------------------------------------
-# Unit: vocab-parallel log-prob / entropy math (single process)
-# ---------------------------------------------------------------------------------------------
-
-
-@pytest.mark.unit
-def test_logprobs_entropy_match_log_softmax_and_autograd():
-    """Contract: log-prob/entropy and their hand-written gradients equal torch's log_softmax math."""
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 5, 17, generator=g, dtype=torch.float64, requires_grad=True)
-    target = torch.randint(0, 17, (3, 5), generator=g)
-    lp, ent = vocab_parallel_logprobs_entropy(logits, target, temperature=0.7)
-    ref_all = torch.log_softmax(logits / 0.7, dim=-1)
-    torch.testing.assert_close(lp, ref_all.gather(-1, target.unsqueeze(-1)).squeeze(-1).float())
-    torch.testing.assert_close(ent, -(ref_all.exp() * ref_all).sum(-1).float())
-    w1, w2 = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
-    (grad,) = torch.autograd.grad((lp * w1).sum() + (ent * w2).sum(), logits)
-    ref_lp = ref_all.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    ref_ent = -(ref_all.exp() * ref_all).sum(-1)
-    (ref_grad,) = torch.autograd.grad((ref_lp * w1).sum() + (ref_ent * w2).sum(), logits)
-    torch.testing.assert_close(grad, ref_grad.to(grad.dtype), rtol=1e-5, atol=1e-6)
-
-
-def _tp2_worker(rank: int, port: int, q) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    g = torch.Generator().manual_seed(0)
-    full = torch.randn(4, 6, 10, generator=g, dtype=torch.float64)
-    target = torch.randint(0, 10, (4, 6), generator=g)
-    w1, w2 = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
-    shard = full[..., rank * 5:(rank + 1) * 5].clone().requires_grad_(True)
-    lp, ent = vocab_parallel_logprobs_entropy(shard, target, dist.group.WORLD)
-    ((lp * w1).sum() + (ent * w2).sum()).backward()
-    # numpy, not tensors: torch would share tensor storage that dies with this process
-    q.put((rank, lp.detach().numpy(), ent.detach().numpy(), shard.grad.numpy()))
-    dist.destroy_process_group()
-
-
-@pytest.mark.integration
-def test_logprobs_entropy_vocab_parallel_tp2_equals_full_vocab():
-    """Contract: with the vocabulary split over 2 gloo ranks, values and gradients equal the
-    single-rank full-vocabulary result (no rank ever holds the full vocabulary)."""
-    import torch.multiprocessing as mp
-
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_tp2_worker, args=(r, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = sorted([q.get(timeout=120) for _ in procs], key=lambda r: r[0])
-    for p in procs:
-        p.join(timeout=60)
-    g = torch.Generator().manual_seed(0)
-    full = torch.randn(4, 6, 10, generator=g, dtype=torch.float64).requires_grad_(True)
-    target = torch.randint(0, 10, (4, 6), generator=g)
-    w1, w2 = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
-    lp, ent = vocab_parallel_logprobs_entropy(full, target)
-    ((lp * w1).sum() + (ent * w2).sum()).backward()
-    for rank, lp_r, ent_r, grad_r in results:
-        torch.testing.assert_close(torch.from_numpy(lp_r), lp.detach())
-        torch.testing.assert_close(torch.from_numpy(ent_r), ent.detach())
-        torch.testing.assert_close(torch.from_numpy(grad_r), full.grad[..., rank * 5:(rank + 1) * 5], rtol=1e-5, atol=1e-6)
-
-
 @pytest.mark.unit
 def test_validate_batch_refusals_name_the_sample():
     """Contract: shape disagreement, an empty response, NaN advantages/rewards and responses that are
@@ -174,8 +106,8 @@ def test_validate_batch_refusals_name_the_sample():
 def test_dynamic_micro_batches_respect_token_budget_and_cover_every_row():
     """Contract: dynamic micro-batches hold every row once and stay within ppo_max_token_len_per_gpu
     (rows x padding-window length), and the window keeps every real token."""
-    from megatron_workers.runner import split_micro_batches
     from megatron_workers.config import ActorConfig
+    from megatron_workers.runner import split_micro_batches
 
     batch = make_batch(vocab=50, seed=2, B=16)
     cfg = ActorConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=60, optim=None)

@@ -8,7 +8,10 @@ SGLang engine (TP=1, bf16) serves it. A Megatron TP=2 group on Ray (gloo on CPU;
 role, no optimizer) holds it with bfloat16 parameters, then a second group with float32 parameters
 (the engine dtype is bf16, so fp32 parameters are cast on the way): `recipe.weight_sync.WeightSync`
 syncs each by each path, and the median of `--repeats` syncs is reported per path (the disk path
-includes writing the checkpoint). A last tensor-path sync runs with the checksum check on, so the
+includes writing the checkpoint); `tensor_first_s` is the first of them, where the senders still allocate
+the bucket buffers they keep for later syncs, and `tensor_control_s` the part of a tensor-path sync
+outside the senders' export and shipping (opening and closing the engine's weight-update session, the
+version, the cache flush; median). A last tensor-path sync runs with the checksum check on, so the
 figures are for syncs that are known to land. `peak_extra_mb` is the largest extra memory any sender
 rank held during the live-path syncs (bucket buffers + the tensor being copied in, see
 `megatron_workers.weights`); the goal is under two buckets.
@@ -47,8 +50,8 @@ logger = logging.getLogger(__name__)
 RESULT_KEYS = (
     "params", "bytes", "bucket_mb", "tensor_s", "distributed_s", "disk_s", "peak_extra_mb", "tensor_speedup",
     "distributed_speedup", "check_s", "memcpy_gbps", "tensor_gbps", "distributed_gbps", "tensor_memcpy_fraction",
-    "distributed_memcpy_fraction", "export_s", "export_wall_s", "serialize_s", "engine_load_s", "fp32_tensor_s",
-    "fp32_distributed_s", "fp32_disk_s", "fp32_tensor_gbps", "fp32_distributed_gbps",
+    "distributed_memcpy_fraction", "tensor_first_s", "tensor_control_s", "export_s", "export_wall_s", "serialize_s",
+    "engine_load_s", "fp32_tensor_s", "fp32_distributed_s", "fp32_disk_s", "fp32_tensor_gbps", "fp32_distributed_gbps",
 )
 
 QWEN2_5_0_5B = {
@@ -104,17 +107,21 @@ def time_paths(group: Any, engine: Any, args: argparse.Namespace, root: Path, ve
     for mode in ("tensor", "distributed", "disk"):
         sync = WeightSync(group, [engine], mode=mode, bucket_bytes=args.bucket_mb << 20,
                           engine_dtype="bfloat16", check=False, disk_dir=str(root / "disk"))
-        times = []
+        times, control = [], []
         for _ in range(args.repeats):
             version += 1
             m = sync.sync(version)
             times.append(m["weight_sync/seconds"])
+            control.append(m["weight_sync/seconds"] - m["weight_sync/send_seconds"])
             if mode != "disk":
                 peaks.append(m["weight_sync/peak_extra_mb"])
                 nbytes = m["weight_sync/bytes"]
             logger.info("%s sync: %.2fs %s", mode, times[-1], m)
         sync.close()
         out[f"{mode}_s"] = statistics.median(times)
+        if mode == "tensor":
+            out["tensor_first_s"] = times[0]  # the group's first sync: the senders allocate their bucket buffers
+            out["tensor_control_s"] = statistics.median(control)
     checked = WeightSync(group, [engine], mode="tensor", bucket_bytes=args.bucket_mb << 20,
                          engine_dtype="bfloat16", check=True)
     out["check_s"] = checked.sync(version + 1)["weight_sync/check_seconds"]
@@ -129,22 +136,24 @@ def profile_tensor_path(group: Any, engine: Any, model_dir: Path, bucket_bytes: 
     from safetensors.torch import load_file
 
     from megatron_workers.weights import (
+        BucketBuffers,
         MemoryMeter,
         bucket_by_bytes,
         serialize,
         stream_buckets,
     )
 
-    plan = {"mode": "stats", "bucket_bytes": bucket_bytes, "dtype": "bfloat16", "checksums": False, "key": "profile"}
+    stats_plan = {"mode": "stats", "bucket_bytes": bucket_bytes, "dtype": "bfloat16", "checksums": False,
+                  "key": "profile"}
     t0 = time.perf_counter()
-    sent = [r for r in group.call_all("send_weights", plan) if r]
+    sent = [r for r in group.call_all("send_weights", stats_plan) if r]
     export_wall = time.perf_counter() - t0
     state = load_file(str(model_dir / "model.safetensors"))  # the HF tensors the engine loads, bf16
     named = list(state.items())
-    buckets = list(stream_buckets(iter(named), list(bucket_by_bytes(named, bucket_bytes)), MemoryMeter(), shared=True))
+    plan = list(bucket_by_bytes(named, bucket_bytes))
     serialize_s = load_s = 0.0
     engine.call("begin_weight_update")
-    for b in buckets:
+    for b in stream_buckets(iter(named), plan, MemoryMeter(), BucketBuffers()):  # bucket k reuses k-2's buffer
         t0 = time.perf_counter()
         payload = serialize(b.named_tensors())
         serialize_s += time.perf_counter() - t0
@@ -215,7 +224,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "check_s": bf["check_s"], "memcpy_gbps": memcpy, **gbps,
         "tensor_memcpy_fraction": gbps["tensor_gbps"] / memcpy,
         "distributed_memcpy_fraction": gbps["distributed_gbps"] / memcpy,
-        **{k: bf[k] for k in ("export_s", "export_wall_s", "serialize_s", "engine_load_s")},
+        **{k: bf[k] for k in ("tensor_first_s", "tensor_control_s", "export_s", "export_wall_s", "serialize_s",
+                              "engine_load_s")},
         **{f"fp32_{m}_s": fp[f"{m}_s"] for m in ("tensor", "distributed", "disk")},
         **{f"fp32_{m}_gbps": fp["bytes"] / fp[f"{m}_s"] / 1e9 for m in ("tensor", "distributed")},
     }

@@ -4,12 +4,16 @@ Each pipeline stage exports its own layers (`adapters.iter_stage_hf_tensors`): e
 shards are cast to the engine dtype and gathered over the stage's TP group one tensor at a time,
 then re-split into HF layout. The full tensors are copied into flat byte buckets of at most
 `bucket_bytes` and one dtype (`bucket_by_bytes` plans them from the shapes alone, so every rank
-cuts the same buckets and each buffer is allocated at its exact size). A sender thread ships
-bucket k while the main thread gathers bucket k+1; a semaphore keeps at most two buckets alive.
+cuts the same buckets). A sender thread ships bucket k while the main thread gathers bucket k+1;
+a semaphore keeps at most two buckets alive, and they take turns in two buffers (`BucketBuffers`:
+bucket k in buffer k % 2). Buffers in host memory are kept across syncs: a fresh shared-memory
+buffer costs several times the copy into it (the shm file is created, then every page faults on
+first touch: 7-30x the copy in probes on the CPU machine here). Device buffers are
+returned to the allocator after each sync, so the engines' KV cache can take that memory back.
 `peak_extra_bytes` in the returned metrics is measured, not derived: the largest sum, over the
-sync, of live bucket buffers plus the full tensor being copied in (counted when allocated,
-uncounted when freed); the TP gather's shard list, as large as that tensor and freed before the
-next one, is not counted.
+sync, of bucket bytes in use plus the full tensor being copied in (counted when taken, uncounted
+when released); the TP gather's shard list, as large as that tensor and freed before the next
+one, is not counted.
 
 Two live paths, chosen by the caller (plain data in, plain metrics out):
 
@@ -109,21 +113,44 @@ class MemoryMeter:
             self.peak = max(self.peak, self.live)
 
 
-def stream_buckets(named: Iterator[NamedTensor], plan: list[list[NamedTensor]], meter: MemoryMeter, *,
-                   shared: bool = False) -> Iterator[Bucket]:
+class BucketBuffers:
+    """The two flat byte buffers a sender's buckets take turns in (bucket k in buffer k % 2, per device).
+
+    Buffers are allocated where other processes can map them (shared memory for host tensors, which
+    `serialize` pickles by name; plain device memory for CUDA, which goes by IPC handle), each at the size of
+    the largest bucket it serves. `release_device` drops the device buffers; host buffers stay for the next sync.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}  # (device, k % 2) -> (capacity,) uint8
+
+    def take(self, index: int, sizes: list[int], device: torch.device) -> torch.Tensor:
+        """Bucket `index`'s buffer: the first `sizes[index]` bytes of buffer `index % 2` on `device` (no copy);
+        `sizes`: every bucket's bytes, in order."""
+        key, capacity = (str(device), index % 2), max(sizes[index % 2::2])
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < capacity:
+            buf = self._buffers[key] = _shared_buffer(capacity, device)
+        return buf[:sizes[index]]
+
+    def release_device(self) -> None:
+        """Forget the buffers that are not in host memory."""
+        self._buffers = {k: b for k, b in self._buffers.items() if b.device.type == "cpu"}
+
+
+def stream_buckets(named: Iterator[NamedTensor], plan: list[list[NamedTensor]], meter: MemoryMeter,
+                   buffers: BucketBuffers) -> Iterator[Bucket]:
     """Pack a (name, tensor) stream into the buckets of `plan` (from `bucket_by_bytes` on meta tensors).
 
-    A bucket's buffer is allocated at its exact size when its first tensor arrives, and every tensor
-    is copied in and dropped at once; the tensors lie back to back, unpadded (SGLang's flat-bucket
-    receiver expects that, hence one dtype per bucket). With `shared`, buffers are allocated where
-    other processes can map them (shared memory for CPU tensors, plain device memory for CUDA,
-    which goes by IPC handle): sharing an ordinary CPU buffer later would copy it again. The meter
-    counts each arriving tensor until
-    it is copied and each buffer until the consumer releases it (`meter.add(-nbytes)`).
+    Bucket k lies in `buffers.take(k, ...)`, so the consumer must be done with bucket k-2 before bucket k
+    is asked for (`send_buckets` ensures it). Every tensor is copied in and dropped at once; the tensors
+    lie back to back, unpadded (SGLang's flat-bucket receiver expects that, hence one dtype per bucket).
+    The meter counts each arriving tensor until it is copied and each bucket's bytes until the consumer
+    releases it (`meter.add(-nbytes)`).
     """
     it = iter(named)
+    sizes = [sum(tensor_bytes(t) for _, t in planned) for planned in plan]
     for index, planned in enumerate(plan):
-        size = sum(tensor_bytes(t) for _, t in planned)
         flat: torch.Tensor | None = None
         bucket = Bucket(index, torch.empty(0, dtype=torch.uint8))
         off = 0
@@ -135,9 +162,8 @@ def stream_buckets(named: Iterator[NamedTensor], plan: list[list[NamedTensor]], 
             n = tensor_bytes(t)
             meter.add(n)
             if flat is None:
-                flat = bucket.flat = (_shared_buffer(size, t.device) if shared
-                                      else torch.empty(size, dtype=torch.uint8, device=t.device))
-                meter.add(size)
+                flat = bucket.flat = buffers.take(index, sizes, t.device)
+                meter.add(sizes[index])
             flat[off:off + n].copy_(t.reshape(-1).view(torch.uint8))
             bucket.slots.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), off))
             off += n
@@ -237,9 +263,9 @@ def send_buckets(buckets: Iterator[Bucket], ship, meter: MemoryMeter) -> int:
     return count
 
 
-def send_stage(tensors: Iterator[NamedTensor], plan: list[list[NamedTensor]], *, ship, checksums: bool,
-               shared: bool = False) -> dict[str, Any]:
-    """Pack a stage's HF tensor stream into the planned buckets and ship each (see `send_buckets`).
+def send_stage(tensors: Iterator[NamedTensor], plan: list[list[NamedTensor]], buffers: BucketBuffers, *, ship,
+               checksums: bool) -> dict[str, Any]:
+    """Pack a stage's HF tensor stream into the planned buckets, in `buffers`, and ship each (see `send_buckets`).
     Returns seconds, bytes, buckets, peak_extra_bytes and, with `checksums`, per-tensor `stats`."""
     meter = MemoryMeter()
     t0 = time.perf_counter()
@@ -254,7 +280,7 @@ def send_stage(tensors: Iterator[NamedTensor], plan: list[list[NamedTensor]], *,
             nbytes += tensor_bytes(t)
             yield name, t
 
-    n = send_buckets(stream_buckets(counted(), plan, meter, shared=shared), ship, meter)
+    n = send_buckets(stream_buckets(counted(), plan, meter, buffers), ship, meter)
     return {"seconds": time.perf_counter() - t0, "bytes": float(nbytes), "buckets": float(n),
             "peak_extra_bytes": float(meter.peak), "stats": stats}
 
@@ -283,6 +309,7 @@ class WeightSender:
 
     def __init__(self) -> None:
         self._groups: dict[str, dist.ProcessGroup] = {}  # distributed path, by group name
+        self._buffers = BucketBuffers()  # kept across syncs (host memory)
 
     @staticmethod
     def _position() -> tuple[int, int, int]:
@@ -376,5 +403,8 @@ class WeightSender:
                 pass
         else:
             raise ValueError(f"weight sync mode {mode!r} is not one of tensor, distributed, stats")
-        out = send_stage(tensors, buckets, ship=ship, checksums=plan.get("checksums", False), shared=mode == "tensor")
+        try:
+            out = send_stage(tensors, buckets, self._buffers, ship=ship, checksums=plan.get("checksums", False))
+        finally:
+            self._buffers.release_device()
         return out if out["bytes"] else None

@@ -31,7 +31,14 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
 def test_bucket_pipeline_keeps_at_most_two_buckets_and_every_byte():
     """Buckets hold every tensor once, bit for bit, in order; while a slow sender ships, the gatherer
     never gets more than one bucket ahead (measured peak < 2 buckets + the largest tensor)."""
-    from megatron_workers.weights import MemoryMeter, bucket_by_bytes, send_buckets, stream_buckets, tensor_bytes
+    from megatron_workers.weights import (
+        BucketBuffers,
+        MemoryMeter,
+        bucket_by_bytes,
+        send_buckets,
+        stream_buckets,
+        tensor_bytes,
+    )
 
     g = torch.Generator().manual_seed(0)
     tensors = [(f"t{i}", torch.randn(int(torch.randint(10, 400, (1,), generator=g)), generator=g).to(
@@ -50,7 +57,7 @@ def test_bucket_pipeline_keeps_at_most_two_buckets_and_every_byte():
 
     plan = list(bucket_by_bytes([(nm, torch.empty(t.shape, dtype=t.dtype, device="meta")) for nm, t in tensors],
                                 bucket_bytes))
-    n = send_buckets(stream_buckets(produced(), plan, meter, shared=True), ship, meter)
+    n = send_buckets(stream_buckets(produced(), plan, meter, BucketBuffers()), ship, meter)
     assert [nm for nm, _ in received] == [nm for nm, _ in tensors]
     for (_, got), (_, want) in zip(received, tensors):
         assert got.dtype == want.dtype and torch.equal(got, want)
@@ -60,6 +67,50 @@ def test_bucket_pipeline_keeps_at_most_two_buckets_and_every_byte():
     largest = max(tensor_bytes(t) for _, t in tensors)
     assert meter.live == 0
     assert 0 < meter.peak < 2 * bucket_bytes + largest
+
+
+@pytest.mark.unit
+def test_bucket_buffers_are_reused_and_consecutive_syncs_each_deliver_their_weights():
+    """A sender's two bucket buffers outlive a sync: a second and a third sync of different weights pack into the
+    same two shared-memory buffers, and the receiver (which maps each bucket by its shared-memory name, as an
+    engine does) gets each sync's weights bit for bit, while a slow receiver still holds bucket k when bucket
+    k+1 is packed."""
+    from multiprocessing.reduction import ForkingPickler
+
+    from megatron_workers.weights import (
+        BucketBuffers,
+        MemoryMeter,
+        bucket_by_bytes,
+        send_buckets,
+        serialize,
+        stream_buckets,
+    )
+
+    g = torch.Generator().manual_seed(1)
+    shapes = [(int(torch.randint(5, 60, (1,), generator=g)),) for _ in range(30)]
+    plan = list(bucket_by_bytes([(f"t{i}", torch.empty(s, device="meta")) for i, s in enumerate(shapes)], 600))
+    buffers = BucketBuffers()
+
+    def sync(scale: float):
+        weights = [(f"t{i}", torch.randn(s, generator=g) * scale) for i, s in enumerate(shapes)]
+        received, storages = [], set()
+
+        def ship(bucket):
+            storages.add(bucket.flat.untyped_storage().data_ptr())
+            time.sleep(0.005)
+            received.extend((n, t.clone()) for n, t in ForkingPickler.loads(serialize(bucket.named_tensors())))
+
+        send_buckets(stream_buckets(iter([(n, t.clone()) for n, t in weights]), plan, MemoryMeter(), buffers),
+                     ship, MemoryMeter())
+        assert [n for n, _ in received] == [n for n, _ in weights]
+        assert all(torch.equal(got, want) for (_, got), (_, want) in zip(received, weights))
+        return storages
+
+    first = sync(1.0)
+    assert len(plan) > 4 and len(first) == 2
+    assert sync(3.0) == first
+    buffers.release_device()  # host buffers stay
+    assert sync(5.0) == first
 
 
 @pytest.mark.unit
@@ -178,8 +229,10 @@ def _matches(results, reference) -> bool:
 def test_sync_after_ppo_update_engine_tp2_serves_exported_weights(mode, actor_group, engines, tiny_model_dir,
                                                                    tmp_path):
     """After a PPO update of the TP2 x PP2 actor, a sync by `mode` into an engine at TP=2 makes its greedy
-    ids equal transformers' on the exported HF weights (log-probs within 1e-3); before, they differ."""
+    ids equal transformers' on the exported HF weights (log-probs within 1e-3); before, they differ. After a
+    second update, a second sync (through the senders' reused bucket buffers) lands too: the check passes."""
     from recipe.weight_sync import WeightSync
+    from tests.test_actor import ppo_batch, update
 
     (engine,) = engines((2,))
     _trained_actor(actor_group, tiny_model_dir, seed={"tensor": 4, "distributed": 5}[mode])
@@ -190,12 +243,17 @@ def test_sync_after_ppo_update_engine_tp2_serves_exported_weights(mode, actor_gr
 
     sync = WeightSync(actor_group, [engine], mode=mode, bucket_bytes=1 << 18, engine_dtype="float32", check=True)
     metrics = sync.sync(version=7)
-    sync.close()
     after = _engine_greedy(engine)
     assert _matches(after, reference)
     assert engine.weight_version == 7 and all(r.weight_version == 7 for r in after)
     assert metrics["weight_sync/buckets"] > 2  # several buckets per stage: the pipeline was exercised
     assert 0 < metrics["weight_sync/peak_extra_mb"] * 2**20 < 2 * (1 << 18) + max_tensor_bytes(exported)
+
+    first = sync.expected
+    update(actor_group, ppo_batch(tiny_model_dir, seed=10), mini_batch_size=8)
+    sync.sync(version=8)  # check=True: raises unless the engine serves the second update's weights
+    sync.close()
+    assert sync.expected != first and engine.weight_version == 8
 
 
 def max_tensor_bytes(model_dir) -> int:

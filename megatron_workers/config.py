@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPES = ("bfloat16", "float32")
+# Megatron's activation recompute as verl's `enable_gradient_checkpointing` asks for it: only each layer's input is
+# kept, and the layer is recomputed in the backward pass.
+FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 
 
@@ -75,7 +78,8 @@ class MegatronConfig:
     it; it needs TransformerEngine's): null or false run without it, true is refused."""
     override_transformer_config: dict = field(default_factory=dict)
     """Megatron TransformerConfig fields passed through as they are (verl's key), e.g. activation recompute:
-    {recompute_granularity: full, recompute_method: uniform, recompute_num_layers: 1}; an unknown field is refused."""
+    {recompute_granularity: full, recompute_method: uniform, recompute_num_layers: 1} (granularity full alone gets
+    that method and layer count); an unknown field is refused."""
 
     def __post_init__(self) -> None:
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
@@ -96,6 +100,14 @@ class MegatronConfig:
             if unknown:
                 raise ValueError(f"override_transformer_config.{unknown[0]} is not a field of Megatron's "
                                  f"TransformerConfig; see megatron/core/transformer/transformer_config.py")
+        if self.override_transformer_config.get("recompute_granularity") == "full":
+            self.recompute_activations()  # Megatron's full recompute needs a method and a layer count: fill them
+
+    def recompute_activations(self) -> None:
+        """Turn on Megatron's full activation recompute (`FULL_RECOMPUTE`) under what override_transformer_config
+        sets: its `recompute_*` fields win, and recompute_granularity=selective is left as it is."""
+        if self.override_transformer_config.get("recompute_granularity", "full") == "full":
+            self.override_transformer_config = {**FULL_RECOMPUTE, **self.override_transformer_config}
 
 
 @dataclass

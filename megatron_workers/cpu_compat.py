@@ -19,6 +19,11 @@ session), before importing megatron. Measured against megatron-core 0.16.1 and t
 - `torch.cuda.synchronize()` guards batched P2P ops in the pipeline schedule; on CPU there is
   nothing to wait for, so it becomes a no-op. `torch.cuda.get_rng_state()` answers an empty
   state and `set_rng_state` ignores it (there is no CUDA generator to save or restore).
+- Activation recompute (`recompute_granularity=full`): Megatron's `CheckpointFunction` saves and
+  restores the CPU and CUDA RNG states around the recomputed forward through its own
+  `_get_cuda_rng_state` / `_set_cuda_rng_state` (`torch.cuda.random`, not the names above). In
+  `megatron.core.tensor_parallel.random` they answer an empty state and ignore one; the CPU
+  generator, the only one that draws here, is saved and restored by Megatron itself.
 - The pipeline schedules (token counters), the optimizer (`FP32Optimizer._scale`, overflow
   buffers), the grad-norm code in `clip_grads` and `megatron.core.utils` allocate tensors with
   `device="cuda"`; they are created on the CPU instead, only inside those modules, through a view
@@ -56,6 +61,7 @@ _MARK = "_polyturn_cpu_compat"
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
 _OPTIMIZER_MODULE = "megatron.core.optimizer.optimizer"
 _DISTRIB_OPTIMIZER_MODULE = "megatron.core.optimizer.distrib_optimizer"
+_RNG_MODULE = "megatron.core.tensor_parallel.random"
 # Modules adapted as they are imported: those that create tensors with device="cuda" on the CPU-reachable path
 # (megatron-core 0.16.1), and the distributed optimizer (its type checks).
 _CUDA_FACTORY_MODULES = (
@@ -65,6 +71,8 @@ _CUDA_FACTORY_MODULES = (
     "megatron.core.utils",
     _DISTRIB_OPTIMIZER_MODULE,
 )
+# Every module adapted as it is imported: the above, and the RNG state helpers of activation recompute.
+_ADAPTED_MODULES = (*_CUDA_FACTORY_MODULES, _RNG_MODULE)
 
 
 def _cpu_device(*_args: Any, **_kwargs: Any) -> torch.device:
@@ -144,7 +152,12 @@ def _torch_view_on_cpu() -> types.ModuleType:
 
 
 def _adapt_module(module: types.ModuleType) -> None:
-    """Give one of `_CUDA_FACTORY_MODULES` its CPU view of torch (and the optimizer its clip)."""
+    """Adapt one of `_ADAPTED_MODULES`: recompute's RNG state helpers, or a CPU view of torch (and the optimizer's
+    clip, the optimizers' type checks)."""
+    if module.__name__ == _RNG_MODULE:
+        module._get_cuda_rng_state = _no_rng_state
+        module._set_cuda_rng_state = _ignore_rng_state
+        return
     if not getattr(module.torch, _MARK, False):
         module.torch = _torch_view_on_cpu()
     if module.__name__ == _OPTIMIZER_MODULE:
@@ -175,10 +188,10 @@ class _AdaptingLoader(importlib.abc.Loader):
 
 
 class _AdaptOnImport(importlib.abc.MetaPathFinder):
-    """Meta-path finder that adapts `_CUDA_FACTORY_MODULES` as they are imported."""
+    """Meta-path finder that adapts `_ADAPTED_MODULES` as they are imported."""
 
     def find_spec(self, name: str, path: Sequence[str] | None, target: Any = None) -> Any:
-        if name not in _CUDA_FACTORY_MODULES:
+        if name not in _ADAPTED_MODULES:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is not None and spec.loader is not None:
@@ -204,7 +217,7 @@ def apply_cpu_compat() -> str:
     torch.cuda.get_rng_state = _no_rng_state  # type: ignore[assignment]
     torch.cuda.set_rng_state = _ignore_rng_state  # type: ignore[assignment]
     torch.Tensor.cuda = _tensor_stays  # type: ignore[method-assign]
-    for name in _CUDA_FACTORY_MODULES:
+    for name in _ADAPTED_MODULES:
         if name in sys.modules:
             _adapt_module(sys.modules[name])
     sys.meta_path.insert(0, _AdaptOnImport())

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ from recipe.reward import CustomRewardFunctionConfig, RewardConfig
 from rollout.config import RolloutConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic"}
+"""The config section of each Megatron role."""
 LOGGERS = ("console", "wandb")
 
 
@@ -90,7 +93,18 @@ class DataConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelSection:
+    """`critic.model.*`, and the base of `actor_rollout_ref.model.*`: how a role's model is built (the critic's
+    weights are the policy's checkpoint)."""
+
+    enable_gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass instead of keeping them (verl's key): Megatron's full recompute,
+    one layer per checkpoint; less memory, same result. A `recompute_*` field in this role's
+    megatron.override_transformer_config wins over it."""
+
+
+@dataclass
+class ModelConfig(ModelSection):
     """`actor_rollout_ref.model.*`: the policy's HF checkpoint."""
 
     path: str | None = None
@@ -136,16 +150,41 @@ class CriticSection(WorkerConfig, ValueLossConfig):
 
     optim: OptimConfig | None = field(default_factory=lambda: OptimConfig(lr=1e-5, weight_decay=0.01))
     """The value model's optimizer and LR schedule (verl's critic defaults: lr 1e-5, weight decay 0.01)."""
+    model: ModelSection = field(default_factory=ModelSection)
+    """How the value model is built."""
 
     def __post_init__(self) -> None:
         WorkerConfig.__post_init__(self)
         ValueLossConfig.__post_init__(self)
+        if self.model.enable_gradient_checkpointing:
+            self.megatron.recompute_activations()
+
+
+@dataclass
+class RefMegatronConfig:
+    """`actor_rollout_ref.ref.megatron.*`: the reference's own model-parallel layout (verl's keys); its ranks are a
+    Megatron group of their own on the same bundles, so data parallelism fills the rest. Its other Megatron settings
+    are the actor's: offload moves every role with the actor's flags, and the KL term needs the actor's dtype."""
+
+    tensor_model_parallel_size: int | None = None
+    """Ranks that split each of the reference's layers (Megatron TP); None: the actor's."""
+    pipeline_model_parallel_size: int | None = None
+    """Ranks that split the reference's layers into stages (Megatron PP); None: the actor's."""
+
+    def __post_init__(self) -> None:
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ConfigError(f"actor_rollout_ref.ref.megatron.{key} is {getattr(self, key)}; it must be >= 1 "
+                                  "(or null: the actor's)")
 
 
 @dataclass
 class RefSection:
-    """`actor_rollout_ref.ref.*`: the reference policy runs on the actor's layout (`actor.megatron.*`) without an
-    optimizer; only its forward-only pass has sizes of its own (verl's keys)."""
+    """`actor_rollout_ref.ref.*`: the reference policy is the actor's section without an optimizer, with a layout and
+    forward-pass sizes of its own where given (verl's keys)."""
+
+    megatron: RefMegatronConfig = field(default_factory=RefMegatronConfig)
+    """The reference's own parallel layout."""
 
     log_prob_micro_batch_size_per_gpu: int | None = None
     """Samples per reference log-prob pass on one rank; None: the actor's log_prob_micro_batch_size_per_gpu."""
@@ -160,9 +199,14 @@ class RefSection:
                 raise ConfigError(f"actor_rollout_ref.ref.{key} is {getattr(self, key)}; it must be >= 1 (or null)")
 
     def reference(self, actor: ActorSection) -> ActorSection:
-        """The reference ranks' config: the actor's section, forward only, with this section's pass sizes."""
-        sizes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
-        return dataclasses.replace(actor, optim=None, **sizes)
+        """The reference ranks' config: the actor's section, forward only, with this section's layout and pass
+        sizes where given."""
+        def given(section: Any) -> dict[str, Any]:
+            return {f.name: getattr(section, f.name) for f in dataclasses.fields(section)
+                    if f.name != "megatron" and getattr(section, f.name) is not None}
+
+        megatron = dataclasses.replace(actor.megatron, **given(self.megatron))
+        return dataclasses.replace(actor, optim=None, megatron=megatron, **given(self))
 
 
 @dataclass
@@ -174,12 +218,16 @@ class ActorRolloutRefConfig:
     actor: ActorSection = field(default_factory=ActorSection)
     """The policy's (and reference's) Megatron ranks and loss."""
     ref: RefSection = field(default_factory=RefSection)
-    """The reference policy's own pass sizes."""
+    """The reference policy's own layout and pass sizes."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """The SGLang engines and the agent loop."""
     hybrid_engine: bool = True
     """Placement mode (recipe.placement): true = hybrid, the engines share the trainer's GPUs with the
     actor, ref and critic ranks; false = separate, the engines get their own pool (top-level `rollout.*`)."""
+
+    def __post_init__(self) -> None:
+        if self.model.enable_gradient_checkpointing:
+            self.actor.megatron.recompute_activations()
 
 
 @dataclass
@@ -214,6 +262,10 @@ class TrainerConfig:
     rollout_timeout_s: float | None = None
     """Wall-clock limit of one step's rollout: past it the agent loop is aborted and the step trains on what was
     sampled so far; None: no limit."""
+    critic_warmup: int = 0
+    """verl's critic warm-up: the actor is updated (and its weights synced to the engines) from step critic_warmup on
+    (verl's `critic_warmup <= global_steps`, steps counted from 1); the steps before it update the critic only.
+    0 or 1: the actor updates from the first step."""
     max_failed_fraction: float = 0.5
     """A step where more than this fraction of the trajectories ended in error (engine, interaction, tool-session
     failures) is not trained on (logged and counted, `fault/skipped_steps`)."""
@@ -257,6 +309,8 @@ class TrainerConfig:
                               "TFLOPS (> 0), or null to look it up by GPU type")
         if not 0 <= self.max_failed_fraction < 1:
             raise ConfigError(f"trainer.max_failed_fraction is {self.max_failed_fraction}; it must lie in [0, 1)")
+        if self.critic_warmup < 0:
+            raise ConfigError(f"trainer.critic_warmup is {self.critic_warmup}; it must be >= 0")
         if self.max_failed_steps < 1:
             raise ConfigError(f"trainer.max_failed_steps is {self.max_failed_steps}; it must be >= 1")
         if self.collective_timeout_s <= 0:
@@ -335,39 +389,67 @@ class PPOConfig:
     """`ray_init.*`."""
 
     def __post_init__(self) -> None:
-        actor, rollout = self.actor_rollout_ref.actor, self.actor_rollout_ref.rollout
-        t = self.trainer
+        rollout, t = self.actor_rollout_ref.rollout, self.trainer
         if (t.test_freq > 0 or t.log_val_generations or t.validation_data_dir) and not self.data.val_files:
             raise ConfigError("trainer.test_freq / log_val_generations / validation_data_dir ask for validation but "
                               "data.val_files is empty; set data.val_files=[path/to/test.parquet] or drop them")
+        if t.critic_warmup > 1 and not self.use_critic:
+            raise ConfigError(f"trainer.critic_warmup={t.critic_warmup} warms up a critic, and "
+                              f"algorithm.adv_estimator={self.algorithm.adv_estimator} has none: its first "
+                              f"{t.critic_warmup - 1} steps would train nothing; drop the key (or set 0), or use "
+                              "algorithm.adv_estimator=gae")
         mt = rollout.multi_turn
         mt.tool_config_path = resolve_path(mt.tool_config_path, "actor_rollout_ref.rollout.multi_turn.tool_config_path")
         mt.interaction_config_path = resolve_path(
             mt.interaction_config_path, "actor_rollout_ref.rollout.multi_turn.interaction_config_path")
         self.custom_reward_function.path = resolve_path(self.custom_reward_function.path, "custom_reward_function.path")
-        mp = actor.megatron.tensor_model_parallel_size * actor.megatron.pipeline_model_parallel_size
         world = self.trainer.n_gpus_per_node * self.trainer.nnodes
-        if world % mp:
-            raise ConfigError(
-                f"trainer.n_gpus_per_node * trainer.nnodes = {world} ranks is not a multiple of tensor x pipeline "
-                f"parallel size = {mp}; change actor_rollout_ref.actor.megatron.* or the rank count")
-        sections = [("actor_rollout_ref.actor", actor.ppo_mini_batch_size)]
-        if self.use_critic:
-            sections.append(("critic", self.critic.ppo_mini_batch_size))
-        for prefix, mini in sections:
+        for role, worker in self.workers().items():
+            m, prefix = worker.megatron, ROLE_KEYS[role]
+            mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
+            if world % mp:
+                raise ConfigError(
+                    f"trainer.n_gpus_per_node * trainer.nnodes = {world} ranks is not a multiple of tensor x pipeline "
+                    f"parallel size = {mp} ({prefix}.megatron); change {prefix}.megatron.* or the rank count")
+        for role, worker in self.workers().items():
+            if worker.optim is None:  # the reference trains nothing: any batch of whole rows splits (batch_multiple)
+                continue
+            prefix, mini, dp = ROLE_KEYS[role], worker.ppo_mini_batch_size, self.role_dp_size(worker)
             if self.data.train_batch_size % mini:
                 raise ConfigError(f"{prefix}.ppo_mini_batch_size={mini} does not divide data.train_batch_size="
                                   f"{self.data.train_batch_size}; choose a divisor")
-            if (mini * rollout.n) % self.dp_size:
+            if (mini * rollout.n) % dp:
                 raise ConfigError(f"{prefix}.ppo_mini_batch_size * rollout.n = {mini * rollout.n} samples cannot be "
-                                  f"split over {self.dp_size} data-parallel ranks; make it a multiple of the DP size")
+                                  f"split over {dp} data-parallel ranks; make it a multiple of the DP size")
+
+    def workers(self) -> dict[str, WorkerConfig]:
+        """The Megatron roles this run builds, each with the section its ranks receive: actor; ref when a KL term
+        is used (`RefSection.reference`); critic for GAE."""
+        ar = self.actor_rollout_ref
+        roles: dict[str, WorkerConfig] = {"actor": ar.actor}
+        if self.use_reference:
+            roles["ref"] = ar.ref.reference(ar.actor)
+        if self.use_critic:
+            roles["critic"] = self.critic
+        return roles
+
+    def role_dp_size(self, worker: WorkerConfig) -> int:
+        """Data-parallel ranks of a role: all trainer ranks over its tensor x pipeline parallel size."""
+        m = worker.megatron
+        return self.trainer.n_gpus_per_node * self.trainer.nnodes // (m.tensor_model_parallel_size *
+                                                                      m.pipeline_model_parallel_size)
+
+    @property
+    def batch_multiple(self) -> int:
+        """Rows a step's batch must be a multiple of, to split evenly over every role's mini-batches x DP ranks."""
+        prompts = self.data.train_batch_size
+        return math.lcm(*(self.role_dp_size(w) * (prompts // w.ppo_mini_batch_size if w.optim is not None else 1)
+                          for w in self.workers().values()))
 
     @property
     def dp_size(self) -> int:
         """Data-parallel ranks of the actor."""
-        m = self.actor_rollout_ref.actor.megatron
-        world = self.trainer.n_gpus_per_node * self.trainer.nnodes
-        return world // (m.tensor_model_parallel_size * m.pipeline_model_parallel_size)
+        return self.role_dp_size(self.actor_rollout_ref.actor)
 
     def total_steps(self, batches_per_epoch: int) -> int:
         """Steps of the run: trainer.total_training_steps when set, else total_epochs x batches per epoch."""

@@ -7,7 +7,7 @@ each override, by verl's key table `VERL_KEYS` and the schema's keys:
   (`rollout.log_prob_*` -> `actor.log_prob_*`, `actor.megatron.seed` -> `trainer.seed`), or a verl key
   whose value is what polyturn always does (`data.return_raw_chat=True`);
 - warned: verl-internal tuning knobs with no counterpart here, or none that changes the result
-  (profiler, wake-up staging, FSDP knobs, gradient checkpointing ...), dropped, all listed in ONE
+  (profiler, wake-up staging, FSDP knobs ...), dropped, all listed in ONE
   start-up warning;
 - refused: everything whose silent loss would change the result, and typos (with "did you
   mean"), keys given twice, `--config-path`: ALL refusals in one `ConfigError`, before Hydra.
@@ -56,8 +56,14 @@ class Rule:
 
 
 _LOG_PROB = ("log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")
-_LAYOUT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "param_offload", "grad_offload",
-           "optimizer_offload", "dtype", "sequence_parallel")
+# The reference's Megatron keys it cannot set on its own (its layout, actor_rollout_ref.ref.megatron.*_size, it can):
+# offload moves every role with the actor's flags, the reference has no gradients or optimizer, and the KL term
+# compares its log-probs with the actor's, which another dtype would round differently before any update.
+_REF_AS_ACTOR = {"param_offload": "every role is offloaded with the actor's flags",
+                 "grad_offload": "the reference has no gradients; every role is offloaded with the actor's flags",
+                 "optimizer_offload": "the reference has no optimizer; every role is offloaded with the actor's flags",
+                 "dtype": "the KL term compares the reference's log-probs with the actor's: same dtype",
+                 "sequence_parallel": "the reference runs the actor's model code"}
 
 # verl keys that are not polyturn keys, by dotted key or by a section with everything under it.
 VERL_KEYS: dict[str, Rule] = {
@@ -70,10 +76,6 @@ VERL_KEYS: dict[str, Rule] = {
     "actor_rollout_ref.actor.ppo_micro_batch_size": Rule(
         "give the per-GPU size actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu instead"),
     "critic.ppo_micro_batch_size": Rule("give the per-GPU size critic.ppo_micro_batch_size_per_gpu instead"),
-    "actor_rollout_ref.model.enable_gradient_checkpointing": Rule(
-        "activation recompute changes memory, not the result; ask Megatron for it with actor_rollout_ref.actor."
-        "megatron.override_transformer_config.recompute_granularity=full (GPU; Megatron's recompute needs CUDA RNG)",
-        accept=(False,), warn=True),
     "actor_rollout_ref.actor.megatron.seed": Rule(
         "Megatron's RNG is seeded by trainer.seed (with the data order and sampling): set trainer.seed",
         rename="trainer.seed"),
@@ -84,8 +86,8 @@ VERL_KEYS: dict[str, Rule] = {
         "the interleaved pipeline schedule is not used here (same result, more pipeline bubble)", accept=(None, 1),
         warn=True),
     **{f"actor_rollout_ref.ref.megatron.{k}": Rule(
-        f"the reference runs on the actor's ranks: it must equal actor_rollout_ref.actor.megatron.{k}; set that "
-        "instead", same_as=f"actor_rollout_ref.actor.megatron.{k}") for k in _LAYOUT},
+        f"{why}: it must equal actor_rollout_ref.actor.megatron.{k}; set that instead",
+        same_as=f"actor_rollout_ref.actor.megatron.{k}") for k, why in _REF_AS_ACTOR.items()},
     "actor_rollout_ref.ref.megatron.context_parallel_size": Rule(
         "context parallelism is not supported: drop the key (or set 1)", accept=(1,)),
     "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size": Rule(
@@ -94,12 +96,12 @@ VERL_KEYS: dict[str, Rule] = {
     "actor_rollout_ref.actor.fsdp_config": Rule(
         "an FSDP knob (polyturn trains with Megatron: actor_rollout_ref.actor.megatron.*)", warn=True),
     "actor_rollout_ref.ref.fsdp_config": Rule(
-        "an FSDP knob (the reference shares actor_rollout_ref.actor.megatron.*)", warn=True),
+        "an FSDP knob (the reference uses actor_rollout_ref.ref.megatron.* and the actor's other Megatron settings)",
+        warn=True),
     "critic.model.fsdp_config": Rule("an FSDP knob (the critic uses critic.megatron.*)", warn=True),
     "actor_rollout_ref.model.use_remove_padding": Rule(
         "sequences are always packed without padding here", accept=(True,), warn=True),
     "critic.model.use_remove_padding": Rule("sequences are always packed without padding here", warn=True),
-    "critic.model.enable_gradient_checkpointing": Rule("the critic does not recompute activations", warn=True),
     "critic.model.path": Rule(
         "the critic is built from the policy's checkpoint: it must equal actor_rollout_ref.model.path; drop the key",
         same_as="actor_rollout_ref.model.path"),
@@ -125,9 +127,6 @@ VERL_KEYS: dict[str, Rule] = {
     "actor_rollout_ref.ref.profiler": Rule("verl's profiler", warn=True),
     "actor_rollout_ref.rollout.profiler": Rule("verl's profiler", warn=True),
     "critic.profiler": Rule("verl's profiler", warn=True),
-    "trainer.critic_warmup": Rule(
-        "the critic and the actor update from the first step (no critic-only warm-up steps): drop the key or set 0",
-        accept=(0,)),
     "data.filter_overlong_prompts": Rule(
         "prompts longer than data.max_prompt_length are always dropped at load (verl's filter_overlong_prompts=True); "
         "drop the key", accept=(True,)),

@@ -9,7 +9,8 @@ plan's placement groups, builds the Megatron actor group (+ reference when a KL 
 + critic for GAE) and the engines as Ray actors on their bundles, and runs the trainer.
 
 Where it departs from verl's `main_ppo`: the driver holds handles only and imports no SGLang;
-the reference and critic share the actor's GPUs (and, in hybrid mode, the engines too) instead of
+the reference and critic share the actor's GPUs, each in its own TP x PP layout (and, in hybrid mode, the engines
+too) instead of
 asking for resource pools of their own.
 """
 from __future__ import annotations
@@ -98,22 +99,25 @@ def build_workers(cfg: PPOConfig, model_path: str, plan: PlacementPlan) -> Worke
 
     ar = cfg.actor_rollout_ref
     m = ar.actor.megatron
-    layout = ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size, dp=cfg.dp_size)
     hf_config = AutoConfig.from_pretrained(model_path)
     placement = Placement(plan)
+    roles = cfg.workers()
 
-    def group(role: str, cls: type, role_cfg, **kwargs) -> MegatronWorkerGroup:
+    def group(role: str, cls: type, **kwargs) -> MegatronWorkerGroup:
+        """The role's ranks in its own layout (its TP x PP, DP filling the trainer's ranks), on the same bundles."""
+        rm = roles[role].megatron
+        layout = ParallelLayout(tp=rm.tensor_model_parallel_size, pp=rm.pipeline_model_parallel_size,
+                                dp=cfg.role_dp_size(roles[role]))
         g = MegatronWorkerGroup(layout, placement.rank_options(role), hf_config=hf_config, seed=cfg.trainer.seed,
                                 name=role, collective_timeout_s=cfg.trainer.collective_timeout_s)
         placement.check_ranks(role, [info.gpu_ids for info in g.ranks])
-        g.build(functools.partial(cls, model_path, role_cfg, **kwargs))
+        g.build(functools.partial(cls, model_path, roles[role], **kwargs))
         return g
 
     temperature = ar.rollout.temperature
-    actor = group("actor", MegatronActor, ar.actor, temperature=temperature)
-    ref = group("ref", MegatronActor, ar.ref.reference(ar.actor), temperature=temperature) \
-        if "ref" in plan.roles else None
-    critic = group("critic", MegatronCritic, cfg.critic) if "critic" in plan.roles else None
+    actor = group("actor", MegatronActor, temperature=temperature)
+    ref = group("ref", MegatronActor, temperature=temperature) if "ref" in plan.roles else None
+    critic = group("critic", MegatronCritic) if "critic" in plan.roles else None
     # The engines size their KV cache from the GPU memory free when they start: offload the training state first.
     move_megatron_state([g for g in (actor, ref, critic) if g is not None], m, "offload")
     r = ar.rollout

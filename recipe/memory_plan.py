@@ -3,8 +3,8 @@
 In hybrid mode the Megatron ranks and an engine share every GPU and take turns (recipe.trainer): during the
 rollout the engine holds its static memory (`rollout.gpu_memory_utilization` of the GPU: weights + KV cache)
 next to whatever Megatron state is not offloaded; during training the engine has released its memory and every
-role's state is back on the GPU. Sizes per GPU, from the HF config (N parameters) and the layout (the actor's
-TP x PP shards every role's model; DP shards the distributed optimizer's state):
+role's state is back on the GPU. Sizes per GPU, from the HF config (N parameters) and each role's layout (its
+TP x PP shards its model; its DP shards its distributed optimizer's state):
 
 - params: N / (tp * pp) x 2 bytes in bf16 (4 in fp32), for each role (actor, reference, critic);
 - gradient buffers: 4 bytes per parameter (fp32, reduced in fp32), actor and critic;
@@ -103,17 +103,17 @@ class MemoryPlan:
 
 def plan_memory(cfg: PPOConfig, plan: PlacementPlan, hf_config: Any, gpu_bytes: int) -> MemoryPlan:
     """The hybrid plan's bytes on one GPU of `gpu_bytes` (see the module docstring)."""
-    actor = cfg.actor_rollout_ref.actor
-    m, rollout = actor.megatron, cfg.actor_rollout_ref.rollout
-    shard = parameter_count(hf_config) / (m.tensor_model_parallel_size * m.pipeline_model_parallel_size)
-    width = DTYPE_BYTES[m.dtype]
-    trained = [actor] + ([cfg.critic] if "critic" in plan.roles else [])
-    params = shard * width * len(plan.roles)
-    grads = shard * 4 * len(trained)
-    optimizer = 0.0
-    for role in trained:
-        per_param = (4 if role.megatron.dtype != "float32" else 0) + 8  # fp32 main params (bf16 only) + Adam moments
-        optimizer += shard * per_param / (cfg.dp_size if role.optim.use_distributed_optimizer else 1)
+    m, rollout = cfg.actor_rollout_ref.actor.megatron, cfg.actor_rollout_ref.rollout
+    params = grads = optimizer = 0.0
+    for role in cfg.workers().values():
+        rm = role.megatron
+        shard = parameter_count(hf_config) / (rm.tensor_model_parallel_size * rm.pipeline_model_parallel_size)
+        params += shard * DTYPE_BYTES[rm.dtype]
+        if role.optim is None:  # the reference: parameters only
+            continue
+        grads += shard * 4
+        per_param = (4 if rm.dtype != "float32" else 0) + 8  # fp32 main params (bf16 only) + Adam moments
+        optimizer += shard * per_param / (cfg.role_dp_size(role) if role.optim.use_distributed_optimizer else 1)
     offloaded = params * m.param_offload + grads * m.grad_offload + optimizer * m.optimizer_offload
     engine_weights = parameter_count(hf_config) * DTYPE_BYTES[rollout.dtype] / rollout.tensor_model_parallel_size
     return MemoryPlan(gpu=gpu_bytes, params=int(params), grads=int(grads), optimizer=int(optimizer),

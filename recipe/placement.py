@@ -5,7 +5,8 @@
 into pools of one bundle per GPU, packed per node, and assigns them:
 
 - Megatron rank `g` of every role (actor, reference, critic) sits on trainer bundle `g`: node
-  `g // n_gpus_per_node`, local GPU `g % n_gpus_per_node`. The roles share each GPU.
+  `g // n_gpus_per_node`, local GPU `g % n_gpus_per_node`, whatever the role's own TP x PP layout
+  (each role is a Megatron group of its own over all trainer ranks). The roles share each GPU.
 - `hybrid` (`actor_rollout_ref.hybrid_engine=true`, the default, as in verl): engine `i` with TP
   size `T` uses its node's GPUs `i*T .. i*T+T-1` of the trainer pool (SGLang `base_gpu_id`), so
   there are `trainer GPUs / T` engines, colocated with the Megatron ranks. Weight sync hands
@@ -88,7 +89,7 @@ class PlacementPlan:
     roles: tuple[str, ...]  # Megatron roles, each `world_size` ranks on the trainer pool
     world_size: int
     engines: tuple[EnginePlacement, ...]
-    tp: int = 1  # the Megatron ranks' TP and PP sizes; Megatron orders ranks TP fastest, then DP, then PP
+    tp: int = 1  # the actor's TP and PP sizes (the engines get its weights); ranks are TP fastest, then DP, then PP
     pp: int = 1
 
     def rank_bundle(self, rank: int) -> Bundle:
@@ -132,7 +133,7 @@ def plan_placement(cfg: PPOConfig) -> PlacementPlan:
     """The placement of a validated config; raises ConfigError naming the key when it cannot fit."""
     t, rollout = cfg.trainer, cfg.actor_rollout_ref.rollout
     tp = rollout.tensor_model_parallel_size
-    roles = ("actor",) + (("ref",) if cfg.use_reference else ()) + (("critic",) if cfg.use_critic else ())
+    roles = tuple(cfg.workers())
     hybrid = cfg.actor_rollout_ref.hybrid_engine
     pools = {TRAINER: Pool(t.nnodes, t.n_gpus_per_node, len(roles) + (1 if hybrid else 0))}  # + the engine
     if not hybrid:

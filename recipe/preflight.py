@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from recipe.config_schema import ConfigError, PPOConfig
+from recipe.config_schema import ROLE_KEYS, ConfigError, PPOConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -30,9 +30,7 @@ def check_layout(cfg: PPOConfig, hf_config: Any) -> None:
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     layers = hf_config.num_hidden_layers
-    sizes = [("actor_rollout_ref.actor.megatron", cfg.actor_rollout_ref.actor.megatron)]
-    if cfg.use_critic:
-        sizes.append(("critic.megatron", cfg.critic.megatron))
+    sizes = [(f"{ROLE_KEYS[role]}.megatron", worker.megatron) for role, worker in cfg.workers().items()]
     tps = [(f"{p}.tensor_model_parallel_size", m.tensor_model_parallel_size) for p, m in sizes]
     tps.append(("actor_rollout_ref.rollout.tensor_model_parallel_size",
                 cfg.actor_rollout_ref.rollout.tensor_model_parallel_size))

@@ -36,6 +36,9 @@ Where it departs from verl's `RayPPOTrainer.fit`:
   `fault/*` metrics count restarts, retries and skipped steps since the process started.
 - ReMax's baseline is a greedy rollout of each prompt through the same agent loop (tools and
   interactions included), rewarded like the samples; it is not trained on.
+- `trainer.critic_warmup` is verl's: the actor is updated from step `critic_warmup` on (verl's
+  `critic_warmup <= global_steps`, steps counted from 1); before that a step updates the critic only, syncs
+  no weights (the engines keep sampling with the unchanged ones) and logs `trainer/actor_updated` 0.
 - `training/rollout_probs_diff_{mean,max,std}` (verl's names) watch the gap between the engine's
   and the actor's probabilities of each sampled token: |exp(old_log_prob) - exp(rollout_log_prob)|.
 """
@@ -43,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -183,7 +185,7 @@ class Trainer:
         prompts = cfg.data.train_batch_size
         self.actor_mini_batches = prompts // cfg.actor_rollout_ref.actor.ppo_mini_batch_size
         self.critic_mini_batches = prompts // cfg.critic.ppo_mini_batch_size if workers.critic else 1
-        self.row_multiple = math.lcm(self.actor_mini_batches, self.critic_mini_batches) * cfg.dp_size
+        self.row_multiple = cfg.batch_multiple  # every role's mini-batches split evenly over its DP ranks
         self.validator = validator  # data.val_files rolled out and scored (recipe.validation); None: no validation
         self.total_steps = cfg.total_steps(batches_per_epoch)
         self.mfu = mfu  # perf/mfu/actor (recipe.flops); None: the device's peak FLOPs are unknown (e.g. a CPU)
@@ -316,22 +318,26 @@ class Trainer:
                     critic_batch = {**batch, "old_values": batch["values"]}
                     critic_metrics = self.workers.critic.dispatch(
                         "update_critic", critic_batch, mini_batches=self.critic_mini_batches, loss_fn=self.value_loss_fn)[0]
-            with timer("update_actor"):
-                actor_metrics = self.workers.actor.dispatch(
-                    "update_policy", batch, mini_batches=self.actor_mini_batches, loss_fn=self.policy_loss_fn)[0]
+            actor_metrics, sync_metrics = {}, {}
+            update_actor = self.cfg.trainer.critic_warmup <= step  # verl's warm-up: before it, the critic only
+            if update_actor:
+                with timer("update_actor"):
+                    actor_metrics = self.workers.actor.dispatch(
+                        "update_policy", batch, mini_batches=self.actor_mini_batches, loss_fn=self.policy_loss_fn)[0]
             self._megatron_memory("offload")
             self._engines_memory("resume_memory_occupation", tags=["weights"])
-            with timer("sync_weights"):
-                sync_metrics = self.sync_weights()
+            if update_actor:  # unchanged weights are not synced again
+                with timer("sync_weights"):
+                    sync_metrics = self.sync_weights()
             self._engines_memory("resume_memory_occupation", tags=["kv_cache", "cuda_graph"])
         metrics = {**rollout_m, **actor_metrics, **critic_metrics, **kl_metrics, **probs_diff, **sync_metrics,
-                   **timer.metrics, **self.faults,
+                   **timer.metrics, **self.faults, "trainer/actor_updated": float(update_actor),
                    **self._data_metrics(batch, token_rewards, terms, trajs, len(rolled) - len(trajs))}
         metrics["perf/tokens_per_s"] = float(batch["attention_mask"].sum()) / timer.metrics["timing/step_s"]
         metrics["perf/time_per_step"] = timer.metrics["timing/step_s"]
         gpus = self.cfg.trainer.n_gpus_per_node * self.cfg.trainer.nnodes
         metrics["perf/throughput"] = metrics["perf/tokens_per_s"] / gpus  # verl's: tokens per second per GPU
-        if self.mfu is not None:
+        if self.mfu is not None and update_actor:
             metrics["perf/mfu/actor"] = self.mfu.of_update(batch["attention_mask"].sum(dim=1).tolist(),
                                                            self.cfg.actor_rollout_ref.actor.ppo_epochs,
                                                            timer.metrics["timing/update_actor_s"])

@@ -67,3 +67,14 @@ def test_plans_that_cannot_fit_are_refused_naming_the_keys(tmp_path):
     fp32, _ = preset(tmp_path, OFFLOAD + ["actor_rollout_ref.actor.megatron.dtype=float32"])
     assert plan_memory(fp32, plan, QWEN25_3B, GPU_80GB).params == 2 * plan_memory(cfg, plan, QWEN25_3B, GPU_80GB).params
     assert check_memory(cfg, plan, QWEN25_3B, None) is None  # no GPU on the driver: nothing to plan
+
+
+def test_a_reference_in_its_own_layout_is_planned_by_its_own_shard(tmp_path):
+    """Contract: the 3B preset's reference at TP=1 (actor TP=2) holds a whole copy of the model per GPU (params only,
+    no grads or optimizer), and the plan still fits the 80 GB GPU and is placed on the actor's bundles."""
+    cfg, plan = preset(tmp_path, [*OFFLOAD, "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1"])
+    assert plan.roles == ("actor", "ref") and cfg.role_dp_size(cfg.workers()["ref"]) == 8
+    memory = check_memory(cfg, plan, QWEN25_3B, GPU_80GB)
+    assert memory.params == pytest.approx(3.09e9 / 2 * 2 + 3.09e9 * 2, rel=0.02)  # actor's half + ref's whole
+    assert memory.grads == pytest.approx(3.09e9 / 2 * 4, rel=0.02)
+    assert memory.training_free > 0

@@ -15,11 +15,12 @@ from recipe.config_schema import ConfigError, PPOConfig
 from recipe.placement import TRAINER, Placement, plan_placement
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "recipe" / "config")
-VERL_LIKE = [  # actor TP2 x PP2 x DP2 on one 8-GPU node, engines at TP2
+VERL_LIKE = [  # actor (and critic) TP2 x PP2 x DP2 on one 8-GPU node, engines at TP2
     "trainer.n_gpus_per_node=8", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
     "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
     "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "data.train_batch_size=8",
     "actor_rollout_ref.actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
+    "critic.megatron.tensor_model_parallel_size=2", "critic.megatron.pipeline_model_parallel_size=2",
 ]
 GRPO_KL = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=true"]
 PPO = ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=false"]

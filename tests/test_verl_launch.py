@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_workers.config import FULL_RECOMPUTE
 from recipe import launch
 from recipe.config_schema import ConfigError
 from recipe.data import gsm8k
@@ -89,7 +90,7 @@ VERL_MEGATRON = """
 """
 
 # What the 3B line's verl-only keys become (the line's other keys are polyturn keys of the same name).
-WARNED = ("actor_rollout_ref.model.enable_gradient_checkpointing", "actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
+WARNED = ("actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
           "global_profiler.tool", "global_profiler.save_path",
           "global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries",
           "global_profiler.global_tool_config.torch_memory.stack_depth", "actor_rollout_ref.rollout.multi_stage_wake_up",
@@ -128,7 +129,8 @@ def test_verl_3b_line_is_honoured_with_one_warning(home, tiny_model_dir):
     renamed keys onto their counterparts (rollout.log_prob_* sizes the actor's old-log-prob pass, ref.log_prob_* the
     reference's, logger as a list), the values polyturn
     always has (filter_overlong_prompts, truncation=error, return_raw_chat, use_remove_padding, critic_warmup=0)
-    (and rollout.mode=async) silently, and the knobs with no effect on the result here (gradient checkpointing among them) in ONE warning that lists each."""
+    (and rollout.mode=async) silently, gradient checkpointing as Megatron's full activation recompute, and the knobs
+    with no effect on the result here in ONE warning that lists each."""
     cfg, config, plan = launch.load(line(VERL_3B, home, str(tiny_model_dir)))
     ar = cfg.actor_rollout_ref
     assert (cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.data.max_response_length) == (256, 1024, 1024)
@@ -136,7 +138,7 @@ def test_verl_3b_line_is_honoured_with_one_warning(home, tiny_model_dir):
     assert (ar.actor.ppo_mini_batch_size, ar.actor.ppo_micro_batch_size_per_gpu, ar.actor.kl_loss_coef) == (256, 32, 0.001)
     assert ar.actor.log_prob_micro_batch_size_per_gpu == 32 and ar.ref.log_prob_micro_batch_size_per_gpu == 32
     assert ar.ref.reference(ar.actor).optim is None
-    assert ar.actor.megatron.override_transformer_config == {}  # recompute: warned (memory only, CUDA RNG)
+    assert ar.actor.megatron.override_transformer_config == FULL_RECOMPUTE  # enable_gradient_checkpointing
     assert (ar.rollout.n, ar.rollout.gpu_memory_utilization, ar.rollout.tensor_model_parallel_size) == (16, 0.85, 1)
     assert ar.rollout.multi_turn.tool_config_path == str(REPO / "tool_configs" / "gsm8k_tool_config.yaml")
     t = cfg.trainer
@@ -153,7 +155,8 @@ def test_verl_3b_line_is_honoured_with_one_warning(home, tiny_model_dir):
 def test_verl_megatron_line_is_refused_all_at_once(home, tiny_model_dir):
     """Contract: verl's Megatron variant asks for context parallelism (actor and reference): refused before Ray in
     ONE line naming both keys and the fix; the interleaved schedule (vpp) is warned about; megatron.seed becomes
-    trainer.seed; the reference's layout keys are accepted when they equal the actor's."""
+    trainer.seed; the reference's TP / PP sizes are its own layout (also unlike the actor's), while its other
+    Megatron keys (dtype, offload) must equal the actor's."""
     args = line(VERL_3B, home, str(tiny_model_dir)) + shlex.split(VERL_MEGATRON)
     with pytest.raises(ConfigError) as refused:
         launch.load(args)
@@ -166,15 +169,41 @@ def test_verl_megatron_line_is_refused_all_at_once(home, tiny_model_dir):
     m = cfg.actor_rollout_ref.actor.megatron
     assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, cfg.trainer.seed) == (2, 2, 42)
     assert any(w.startswith("actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2") for w in plan.warned)
-    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2: .*must equal"):
-        launch.load([a for a in fine if "actor.megatron.tensor_model_parallel_size" not in a])
+    own = launch.load([a for a in fine if "actor.megatron.tensor_model_parallel_size" not in a])[0]
+    ref = own.workers()["ref"]
+    assert (ref.megatron.tensor_model_parallel_size, ref.megatron.pipeline_model_parallel_size) == (2, 2)
+    assert own.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 1 and own.role_dp_size(ref) == 2
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.ref.megatron.dtype=float32: the KL term .*must equal"):
+        launch.load([*fine, "actor_rollout_ref.ref.megatron.dtype=float32"])
+
+
+@pytest.mark.unit
+def test_gradient_checkpointing_is_megatron_full_recompute(home):
+    """Contract: verl's model.enable_gradient_checkpointing=True (actor and critic) becomes Megatron's full activation
+    recompute (uniform, one layer per checkpoint) in that role's override_transformer_config; recompute_* fields
+    given there win (granularity full alone gets the method and layer count; selective stays selective)."""
+    base = ["--config-name", "cpu_tiny", f"data.train_files=[{home / 'data' / 'gsm8k' / 'train.parquet'}]"]
+    on = "actor_rollout_ref.model.enable_gradient_checkpointing=True"
+    override = "actor_rollout_ref.actor.megatron.override_transformer_config."
+
+    def recompute(*args: str) -> tuple[dict, dict]:
+        cfg = launch.load([*base, *args])[0]
+        return cfg.actor_rollout_ref.actor.megatron.override_transformer_config, cfg.critic.megatron.override_transformer_config
+
+    assert recompute() == ({}, {})
+    assert recompute(on, "critic.model.enable_gradient_checkpointing=True") == (FULL_RECOMPUTE, FULL_RECOMPUTE)
+    assert recompute(on, f"{override}recompute_method=block", f"{override}recompute_num_layers=2")[0] == {
+        "recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 2}
+    assert recompute(on, f"{override}recompute_granularity=selective")[0] == {"recompute_granularity": "selective"}
+    assert recompute(f"{override}recompute_granularity=full") == (FULL_RECOMPUTE, {})
 
 
 @pytest.mark.integration
 def test_verl_3b_line_starts_and_trains_a_step(home, tiny_model_dir, tmp_path):
     """Contract: `python -m recipe.main_ppo --config-name cpu_tiny <verl's 3B line>` starts and trains step 1 on
     the tiny model: every key of the line as verl writes it, the model and data paths pointed at the test's, and the
-    sizes a 2-core machine can run replaced in place (batch, lengths, n, GPUs, epochs); it logs the one warning."""
+    sizes a 2-core machine can run replaced in place (batch, lengths, n, GPUs, epochs); it logs the one warning, and
+    its actor trains with activation recompute (the line's enable_gradient_checkpointing=True)."""
     out = tmp_path / "out"
     args = line(VERL_3B, home, str(tiny_model_dir), **{
         "data.train_batch_size": 4, "data.max_prompt_length": 512, "data.max_response_length": 48,
@@ -186,7 +215,7 @@ def test_verl_3b_line_starts_and_trains_a_step(home, tiny_model_dir, tmp_path):
                            f"trainer.default_local_dir={out}"], cwd=REPO, capture_output=True, text=True,
                           timeout=1200, env={**os.environ, "WANDB_MODE": "offline"})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "verl key(s) have no effect in polyturn and are ignored: actor_rollout_ref.model.enable_gradient_checkpointing" in (
+    assert "verl key(s) have no effect in polyturn and are ignored: actor_rollout_ref.actor.fsdp_config.param_offload" in (
         proc.stdout + proc.stderr)  # Hydra's console handler writes the log to stdout
     steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert 1 in steps

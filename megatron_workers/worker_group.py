@@ -26,6 +26,9 @@ died (its actor is gone) or raised (a collective past the process-group timeout,
 collectives at once) ends the call with `RankFailure`, naming the group's role, the rank and its
 (tp, pp, dp) coordinates; a dead rank is named before the peers it left waiting.
 
+Each call's Ray task is named `<role>.rank<r>.<method>` (`actor.rank1.update_policy`): the rank's process title
+while it runs (`ps`, `top`, py-spy) and its name in Ray's task list and timeline.
+
 Megatron numbers ranks `tp-cp-ep-dp-pp` (TP fastest); the group asks every actor for its
 (tp, pp, dp) coordinates after initialisation instead of recomputing that order.
 """
@@ -253,7 +256,7 @@ class MegatronWorkerGroup:
 
     def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `role.method(*args, **kwargs)` on every rank; results in rank order."""
-        return self._get([w.call.remote(method, *args, **kwargs) for w in self._workers], method)
+        return self._get([self._call(r, method, *args, **kwargs) for r in range(self.world_size)], method)
 
     def dispatch(self, method: str, batch: Batch, *, mini_batches: Optional[int] = None, **kwargs: Any) -> list[Any]:
         """Split `batch` over DP ranks, call `role.method(shard, **kwargs)` everywhere.
@@ -266,10 +269,14 @@ class MegatronWorkerGroup:
         if mini_batches is not None:
             kwargs["num_mini_batches"] = mini_batches
         shards = [ray.put(s) for s in split_batch(batch, self.layout.dp, mini_batches or 1)]
-        futures = [w.call.remote(method, shards[info.dp_rank], **kwargs) for w, info in zip(self._workers, self.ranks)]
+        futures = [self._call(info.rank, method, shards[info.dp_rank], **kwargs) for info in self.ranks]
         results = self._get(futures, method)
         by_dp = {info.dp_rank: r for info, r in zip(self.ranks, results) if info.is_collector}
         return [by_dp[d] for d in range(self.layout.dp)]
+
+    def _call(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Submit `role.method(*args, **kwargs)` to `rank` as the Ray task `<role>.rank<r>.<method>`."""
+        return self._workers[rank].call.options(name=f"{self.name}.rank{rank}.{method}").remote(method, *args, **kwargs)
 
     def _get(self, refs: list[Any], method: str) -> list[Any]:
         """Every rank's result of `method` (refs in rank order); RankFailure at the first rank that failed."""

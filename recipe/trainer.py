@@ -492,7 +492,11 @@ class Trainer:
             self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self._loop.run_until_complete(self.agent_loop.tools.aclose())
         self._loop.close()
-        self.workers.weight_sync.close()
+        try:
+            self.workers.weight_sync.close()
+        except Exception as e:  # noqa: BLE001 - after a fault: a dead rank or engine has no group left to leave
+            logger.warning("the weight sync's process groups were not torn down (%s: %s)", type(e).__name__,
+                           (str(e).splitlines() or [""])[0])
         for group in self.workers.groups():
             group.shutdown()
         for engine in self.workers.engines:

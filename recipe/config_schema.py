@@ -61,21 +61,18 @@ def resolve_path(value: str | None, key: str, must_exist: bool = True) -> str | 
 
 
 @dataclass
-class DataConfig:
-    """`data.*`: what to train on and how long prompts and responses may be."""
+class DataFiles:
+    """`data.*` of every entry point (RL and SFT): the files to train and validate on and the rows per step."""
 
     train_files: list[str] = field(default_factory=list)
-    """verl-format parquet files (python -m recipe.data.gsm8k writes them)."""
+    """Parquet files to train on, in verl's format: prompt rows for RL (python -m recipe.data.gsm8k writes them),
+    a messages column (and an optional tools column) for SFT."""
     val_files: list[str] = field(default_factory=list)
-    """Validation parquet files (same format), rolled out whole at each validation; empty: no validation."""
+    """Validation parquet files of the same format (RL rolls them out whole, SFT measures their loss); empty: no
+    validation."""
     train_batch_size: int = 256
-    """Prompts per step (each rolled out `rollout.n` times)."""
-    max_prompt_length: int = 1024
-    """Longer prompts (chat template + tool schemas) are dropped at load."""
-    max_response_length: int = 1024
-    """Response-token budget per trajectory (sampled + tool + user tokens); rollout.response_length follows it."""
-    shuffle: bool = True
-    """Reshuffle the prompts every epoch (seeded by trainer.seed)."""
+    """Rows per step over all data-parallel ranks: prompts (each rolled out `rollout.n` times) in RL, conversations
+    per optimizer step in SFT."""
 
     def __post_init__(self) -> None:
         if isinstance(self.train_files, str):
@@ -87,7 +84,24 @@ class DataConfig:
         if isinstance(self.val_files, str):
             self.val_files = [self.val_files]
         self.val_files = [resolve_path(f, "data.val_files") for f in self.val_files]
-        for key in ("train_batch_size", "max_prompt_length", "max_response_length"):
+        if self.train_batch_size < 1:
+            raise ConfigError(f"data.train_batch_size is {self.train_batch_size}; it must be >= 1")
+
+
+@dataclass
+class DataConfig(DataFiles):
+    """`data.*` of RL: the files, and how long prompts and responses may be."""
+
+    max_prompt_length: int = 1024
+    """Longer prompts (chat template + tool schemas) are dropped at load."""
+    max_response_length: int = 1024
+    """Response-token budget per trajectory (sampled + tool + user tokens); rollout.response_length follows it."""
+    shuffle: bool = True
+    """Reshuffle the prompts every epoch (seeded by trainer.seed)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("max_prompt_length", "max_response_length"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"data.{key} is {getattr(self, key)}; it must be >= 1")
 
@@ -231,8 +245,8 @@ class ActorRolloutRefConfig:
 
 
 @dataclass
-class TrainerConfig:
-    """`trainer.*`: run length, resources, logging."""
+class RunConfig:
+    """`trainer.*` of every entry point (RL and SFT): run length, resources, output and logging."""
 
     project_name: str = "polyturn"
     """Project name (wandb project)."""
@@ -243,9 +257,36 @@ class TrainerConfig:
     total_training_steps: int | None = None
     """Steps to train; None: trainer.total_epochs passes over the training data."""
     total_epochs: int = 1
-    """Passes over the training data (each reshuffled, seeded by trainer.seed) when total_training_steps is None."""
+    """Passes over the training data (each reshuffled, seeded by the run's seed) when total_training_steps is None."""
     test_freq: int = -1
-    """Validate every this many steps and after the last one (needs data.val_files); -1: never during training."""
+    """Validate every this many steps and after the last one (needs data.val_files); -1: never during training (SFT
+    still measures the validation loss once, at the end)."""
+    default_local_dir: str = "outputs/run"
+    """Output directory: metrics.jsonl, wandb files, and what the run writes: checkpoints (`global_step_<k>/`) and the
+    CPU preset's tiny model in RL, the trained model (`hf/`) in SFT."""
+    n_gpus_per_node: int = 8
+    """GPUs per node of the trainer pool: one placement bundle and one Megatron rank of each role per GPU
+    (on a Ray cluster without GPUs, a CPU-share bundle each)."""
+    nnodes: int = 1
+    """Nodes of the trainer pool (recipe.placement); more than one: join a Ray cluster (RAY_ADDRESS)."""
+
+    def __post_init__(self) -> None:
+        unknown = [x for x in self.logger if x not in LOGGERS]
+        if unknown:
+            raise ConfigError(f"trainer.logger has {unknown}; use a list of {LOGGERS}, e.g. trainer.logger=[console,wandb]")
+        for key in ("total_training_steps", "total_epochs", "n_gpus_per_node", "nnodes"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ConfigError(f"trainer.{key} is {getattr(self, key)}; it must be >= 1")
+        if self.test_freq == 0 or self.test_freq < -1:
+            raise ConfigError(f"trainer.test_freq is {self.test_freq}; use a step count >= 1, or -1 for no validation "
+                              "during training")
+        self.default_local_dir = str(Path(self.default_local_dir).expanduser().resolve())
+
+
+@dataclass
+class TrainerConfig(RunConfig):
+    """`trainer.*` of RL: run length, resources, output and logging, and the RL loop's own settings."""
+
     val_before_train: bool = True
     """Validate once before the first step (when data.val_files is set)."""
     log_val_generations: int = 0
@@ -275,8 +316,6 @@ class TrainerConfig:
     collective_timeout_s: float = 1800.0
     """Seconds a Megatron collective may wait for its peers (the torch.distributed process-group timeout) before it
     fails and stops the run, naming the role and rank; a rank that dies stops it at once."""
-    default_local_dir: str = "outputs/run"
-    """Output directory: metrics.jsonl, wandb files, the tiny model (CPU preset), checkpoints (`global_step_<k>/`)."""
     save_freq: int = -1
     """Save a checkpoint (recipe.checkpoint) every this many steps and after the last step; -1: never."""
     resume_mode: str = "auto"
@@ -288,22 +327,12 @@ class TrainerConfig:
     max_actor_ckpt_to_keep: int | None = None
     """Checkpoints kept in default_local_dir (actor, critic and trainer state together); the oldest are removed once
     a new one is complete; None: keep all."""
-    n_gpus_per_node: int = 8
-    """GPUs per node of the trainer pool: one placement bundle and one Megatron rank of each role per GPU
-    (on a Ray cluster without GPUs, a CPU-share bundle each)."""
-    nnodes: int = 1
-    """Nodes of the trainer pool (recipe.placement); more than one: join a Ray cluster (RAY_ADDRESS)."""
     peak_tflops_per_gpu: float | None = None
     """Dense BF16 peak TFLOPS of one trainer device, for `perf/mfu/actor` (recipe.flops); None: looked up by the
     GPU type Ray reports (recipe.flops.PEAK_TFLOPS), and no MFU is logged for a device not listed there (a CPU)."""
 
     def __post_init__(self) -> None:
-        unknown = [x for x in self.logger if x not in LOGGERS]
-        if unknown:
-            raise ConfigError(f"trainer.logger has {unknown}; use a list of {LOGGERS}, e.g. trainer.logger=[console,wandb]")
-        for key in ("total_training_steps", "total_epochs", "n_gpus_per_node", "nnodes"):
-            if getattr(self, key) is not None and getattr(self, key) < 1:
-                raise ConfigError(f"trainer.{key} is {getattr(self, key)}; it must be >= 1")
+        super().__post_init__()
         if self.peak_tflops_per_gpu is not None and self.peak_tflops_per_gpu <= 0:
             raise ConfigError(f"trainer.peak_tflops_per_gpu is {self.peak_tflops_per_gpu}; give the device's peak "
                               "TFLOPS (> 0), or null to look it up by GPU type")
@@ -317,12 +346,8 @@ class TrainerConfig:
             raise ConfigError(f"trainer.collective_timeout_s is {self.collective_timeout_s}; it must be > 0")
         if self.rollout_timeout_s is not None and self.rollout_timeout_s <= 0:
             raise ConfigError(f"trainer.rollout_timeout_s is {self.rollout_timeout_s}; it must be > 0 (or null)")
-        if self.test_freq == 0 or self.test_freq < -1:
-            raise ConfigError(f"trainer.test_freq is {self.test_freq}; use a step count >= 1, or -1 for no validation "
-                              "during training")
         if self.log_val_generations < 0:
             raise ConfigError(f"trainer.log_val_generations is {self.log_val_generations}; it must be >= 0")
-        self.default_local_dir = str(Path(self.default_local_dir).expanduser().resolve())
         if self.save_freq == 0 or self.save_freq < -1:
             raise ConfigError(f"trainer.save_freq is {self.save_freq}; use a step count >= 1, or -1 for no checkpoints")
         if self.resume_mode not in RESUME_MODES:
@@ -545,13 +570,14 @@ def defaults(cls: type = PPOConfig) -> dict[str, Any]:
     return out
 
 
-def register_configs() -> None:
-    """Register the dataclasses' defaults with Hydra's ConfigStore as `ppo_trainer_schema`, the first entry of
-    `ppo_trainer.yaml`'s defaults list (so a preset holds only what it changes). Called once below, at import, as
-    Hydra's structured configs are: whoever composes a preset has imported this module."""
+def register_configs(name: str = "ppo_trainer_schema", cls: type = PPOConfig) -> None:
+    """Register the defaults of config tree `cls` with Hydra's ConfigStore as `name`, the first entry of its YAML's
+    defaults list (`ppo_trainer.yaml`: `ppo_trainer_schema`), so a preset holds only what it changes. Called at the
+    import of the module that declares `cls`, as Hydra's structured configs are: whoever composes a preset has
+    imported it."""
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name="ppo_trainer_schema", node=defaults())
+    ConfigStore.instance().store(name=name, node=defaults(cls))
 
 
 def dict_keys(cls: type = PPOConfig, prefix: str = "") -> list[str]:

@@ -1,7 +1,8 @@
 """The command line before Hydra: verl's launch lines as they are, and every launch mistake as one line.
 
-`prepare(argv)` reads `python -m recipe.main_ppo` arguments the way Hydra will, and decides for
-each override, by verl's key table `VERL_KEYS` and the schema's keys:
+`prepare(argv, entry)` reads an entry point's arguments (`PPO`: `python -m recipe.main_ppo`; `recipe.sft_config.SFT`:
+`python -m recipe.main_sft`) the way Hydra will, and decides for each override, by the entry's verl key table
+(`VERL_KEYS` here) and its schema's keys:
 
 - honoured: a polyturn key, or a verl key renamed onto its counterpart here
   (`rollout.log_prob_*` -> `actor.log_prob_*`, `actor.megatron.seed` -> `trainer.seed`), or a verl key
@@ -12,7 +13,7 @@ each override, by verl's key table `VERL_KEYS` and the schema's keys:
 - refused: everything whose silent loss would change the result, and typos (with "did you
   mean"), keys given twice, `--config-path`: ALL refusals in one `ConfigError`, before Hydra.
 
-`load(argv)` then composes with Hydra's compose API and builds the typed `PPOConfig`, so Hydra's
+`load(argv, entry)` then composes with Hydra's compose API and builds the entry's typed config, so Hydra's
 own errors (its struct "use +key" advice among them) never reach the user; the entry point
 prints a `ConfigError` as one line and exits 2 (`HYDRA_FULL_ERROR=1` re-raises it, traceback
 included).
@@ -35,7 +36,7 @@ from recipe.config_schema import (
 logger = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).resolve().parent / "config"
-PRESETS = tuple(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if p.stem != "sft_trainer"))
+PRESETS = tuple(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if p.stem != "sft_trainer"))  # the RL presets
 # Hydra's flags that take a value in the next argument, and those that stand alone (passed through).
 _FLAGS_WITH_VALUE = ("--config-name", "-cn", "--config-dir", "-cd", "--cfg", "-c", "--package", "-p")
 _FLAGS = ("--multirun", "-m", "--resolve", "--info", "-i", "--help", "-h", "--hydra-help")
@@ -53,6 +54,24 @@ class Rule:
     rename: str | None = None
     warn: bool = False
     same_as: str | None = None
+
+
+@dataclass(frozen=True)
+class Entry:
+    """An entry point's command line: its typed config, its presets and what verl's keys become there."""
+
+    schema: type
+    """The config tree (`PPOConfig`, `SFTConfig`): its keys are the entry's keys, its `from_dict` builds it."""
+    default_preset: str
+    """The config composed without `--config-name`."""
+    presets: tuple[str, ...]
+    """The `--config-name` choices (recipe/config/*.yaml)."""
+    verl_keys: dict[str, Rule]
+    """verl keys that are not keys of the schema, by dotted key or section."""
+    module: str
+    """`python -m <module>`, named in messages."""
+    preset_hint: str = ""
+    """Said after an unknown --config-name."""
 
 
 _LOG_PROB = ("log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")
@@ -145,11 +164,17 @@ VERL_KEYS: dict[str, Rule] = {
 }
 
 
-def _rule(key: str) -> Rule | None:
+PPO = Entry(PPOConfig, "ppo_trainer", PRESETS, VERL_KEYS, "recipe.main_ppo",
+            preset_hint=" (verl's gsm8k_multiturn_grpo is the base ppo_trainer: drop --config-name and keep the "
+                        "overrides)")
+"""The RL entry point."""
+
+
+def _rule(key: str, verl_keys: dict[str, Rule]) -> Rule | None:
     """The rule for `key`, or for the nearest section above it."""
     parts = key.split(".")
     for i in range(len(parts), 0, -1):
-        rule = VERL_KEYS.get(".".join(parts[:i]))
+        rule = verl_keys.get(".".join(parts[:i]))
         if rule is not None:
             return rule
     return None
@@ -188,12 +213,14 @@ def _flag_value(argv: list[str], i: int) -> tuple[str, str, int]:
     return arg, argv[i + 1], i + 2
 
 
-def prepare(argv: list[str]) -> Launch:
-    """Read a command line: every refusal raised at once as one ConfigError (one line), else the Launch."""
+def prepare(argv: list[str], entry: Entry | None = None) -> Launch:
+    """Read a command line of `entry` (default `PPO`): every refusal raised at once as one ConfigError (one line),
+    else the Launch."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    launch, refused = Launch(), []
+    entry = entry or PPO
+    launch, refused = Launch(config_name=entry.default_preset), []
     raw: list[str] = []
     i = 0
     while i < len(argv):
@@ -201,29 +228,28 @@ def prepare(argv: list[str]) -> Launch:
         if arg.startswith("-") and arg.split("=", 1)[0] in ("--config-path", "-cp"):
             _, value, i = _flag_value(argv, i)
             refused.append(f"--config-path={value}: polyturn's configs live in recipe/config; drop --config-path and "
-                           f"pick one with --config-name (one of {list(PRESETS)})")
+                           f"pick one with --config-name (one of {list(entry.presets)})")
         elif arg.startswith("-") and arg.split("=", 1)[0] in _FLAGS_WITH_VALUE:
             flag, value, i = _flag_value(argv, i)
             if flag in ("--config-name", "-cn"):
-                if value not in PRESETS:
-                    refused.append(f"--config-name={value}: no such preset; use one of {list(PRESETS)} (verl's "
-                                   "gsm8k_multiturn_grpo is the base ppo_trainer: drop --config-name and keep the "
-                                   "overrides)")
+                if value not in entry.presets:
+                    refused.append(f"--config-name={value}: no such preset; use one of {list(entry.presets)}"
+                                   + entry.preset_hint)
                 launch.config_name = value
             else:
                 launch.hydra_flags += [flag, value]
         elif arg.startswith("-"):
             if arg.split("=", 1)[0] not in _FLAGS:
-                refused.append(f"{arg}: not a flag of python -m recipe.main_ppo; give key=value overrides")
+                refused.append(f"{arg}: not a flag of python -m {entry.module}; give key=value overrides")
             launch.hydra_flags.append(arg)
             i += 1
         else:
             raw.append(arg)
             i += 1
 
-    known = set(flat_keys())
+    known = set(flat_keys(entry.schema))
     sections = {k.rsplit(".", 1)[0] for k in known if "." in k} | {k.split(".", 1)[0] for k in known}
-    dicts = set(dict_keys())
+    dicts = set(dict_keys(entry.schema))
     parser = OverridesParser.create()
     seen: dict[str, str] = {}
     for arg in raw:
@@ -238,7 +264,7 @@ def prepare(argv: list[str]) -> Launch:
             launch.overrides.append(arg)
             continue
         value = override.value()
-        rule = _rule(key)
+        rule = _rule(key, entry.verl_keys)
         target = rule.rename if rule is not None and rule.rename else key
         if target in seen:
             refused.append(f"{target} is given twice ({seen[target]} and {arg}); keep one")
@@ -253,8 +279,9 @@ def prepare(argv: list[str]) -> Launch:
                 launch.overrides.append("++" + arg.lstrip("+"))
             else:
                 near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+                keys_file = entry.schema.__module__.replace(".", "/") + ".py"
                 refused.append(f"unknown config key {key}" + (f"; did you mean {near[0]}?" if near else
-                                                                "; see recipe/config_schema.py for the keys"))
+                                                                f"; see {keys_file} for the keys"))
         elif rule.rename:
             launch.overrides.append(f"{rule.rename}={arg.split('=', 1)[1]}")
         elif rule.same_as is not None:
@@ -311,12 +338,13 @@ def compose(launch: Launch) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k != "hydra"}
 
 
-def load(argv: list[str]) -> tuple[PPOConfig, dict[str, Any], Launch]:
-    """A command line as the entry point reads it, before anything starts: the typed config, its plain dict, and the
-    Launch (its one warning). Raises ConfigError (one line) for any mistake."""
-    launch = prepare(argv)
+def load(argv: list[str], entry: Entry | None = None) -> tuple[Any, dict[str, Any], Launch]:
+    """A command line as the entry point (default `PPO`) reads it, before anything starts: the typed config, its
+    plain dict, and the Launch (its one warning). Raises ConfigError (one line) for any mistake."""
+    entry = entry or PPO
+    launch = prepare(argv, entry)
     config = compose(launch)
-    return PPOConfig.from_dict(config), config, launch
+    return entry.schema.from_dict(config), config, launch
 
 
 def one_line(err: BaseException) -> str:

@@ -28,8 +28,9 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from megatron_workers import cpu_compat
+from recipe import launch
 from recipe.logs import setup_logging
-from recipe.sft_config import SFTConfig, check_overrides
+from recipe.sft_config import SFT, SFTConfig
 
 logger = logging.getLogger(__name__)
 
@@ -162,16 +163,30 @@ def run(cfg: SFTConfig, config_dict: dict | None = None) -> dict[str, Any]:
     return {**result, "wall_s": round(time.monotonic() - t_start, 2), "hf_dir": str(out)}
 
 
-@hydra.main(config_path="config", config_name="sft_trainer", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    """Hydra entry: validate the config, `run`, print the final JSON line."""
-    cpu_compat.apply_cpu_compat()  # this process's start (it imports the Megatron worker classes)
-    setup_logging()  # keeps Hydra's log file handler; filters third-party import noise
-    config_dict = OmegaConf.to_container(cfg, resolve=True)
-    result = run(SFTConfig.from_dict(config_dict), config_dict)
-    print(json.dumps(result), flush=True)
+def main(argv: list[str] | None = None) -> None:
+    """The entry point, as recipe.main_ppo's: read the command line (verl's SFT keys, recipe.launch), compose and
+    validate (a mistake: one line, exit 2, before Ray), then Hydra's app runs and prints the final JSON line."""
+    from recipe.main_ppo import USER_ERRORS, report
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        plan = launch.load(argv, SFT)[2]
+    except USER_ERRORS as err:
+        report(err)
+
+    @hydra.main(config_path="config", config_name=plan.config_name, version_base="1.3")
+    def app(cfg: DictConfig) -> None:
+        cpu_compat.apply_cpu_compat()  # this process's start (it imports the Megatron worker classes)
+        setup_logging()  # keeps Hydra's log file handler; filters third-party import noise
+        if plan.warning():
+            logger.warning("%s", plan.warning())
+        config_dict = OmegaConf.to_container(cfg, resolve=True)
+        result = run(SFTConfig.from_dict(config_dict), config_dict)
+        print(json.dumps(result), flush=True)
+
+    sys.argv = [sys.argv[0], *plan.hydra_flags, *plan.overrides]
+    app()
 
 
 if __name__ == "__main__":
-    check_overrides(sys.argv[1:])  # unknown and refused keys are named before Hydra's "not in struct"
     main()

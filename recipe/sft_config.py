@@ -1,11 +1,13 @@
 """The SFT entry's typed config: `recipe/config/sft_trainer.yaml` (verl's fsdp_sft_trainer key names) as dataclasses.
 
-`SFTConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))` builds and validates the tree
-with the RL config's builder (`recipe.config_schema`): unknown keys are refused naming their
-dotted path, each section checks its own fields, errors name the key and the fix, all before
-Ray starts. `check_overrides(argv)` does the same for command-line overrides before Hydra
-composes, so a verl key polyturn's SFT does not take is named with what to use instead
-(instead of Hydra's bare "not in struct").
+SFT reuses the RL config's sections where the concept is the same, so every default is declared
+once: `data.*` extends RL's `DataFiles`, `trainer.*` is RL's `RunConfig`, `model.*` extends the
+roles' `ModelSection` (`enable_gradient_checkpointing`), `optim.*` and `megatron.*` are the actor's
+Megatron sections, `ray_init.*` is RL's. The dataclasses' defaults are registered with Hydra as
+`sft_trainer_schema`; `sft_trainer.yaml` holds only what SFT sets differently. The command line
+goes through the RL entry's machinery (`recipe.launch`, entry `SFT`): a verl fsdp_sft_trainer key
+polyturn's SFT does not take is refused naming what to use instead (`SFT_VERL_KEYS`), a typo gets
+"did you mean", all before Hydra composes and before Ray starts.
 
 Where it departs from verl's `sft_trainer.yaml`: the model trains on Megatron ranks
 (`megatron.*` sets the layout, `optim.*` is the RL actor's Megatron optimizer section, so
@@ -15,14 +17,23 @@ Where it departs from verl's `sft_trainer.yaml`: the model trains on Megatron ra
 """
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from megatron_workers.config import MegatronConfig, OptimConfig
-from recipe.config_schema import LOGGERS, ConfigError, RayInitConfig, _build, flat_keys, is_hub_id, resolve_path
+from recipe.config_schema import (
+    ConfigError,
+    DataFiles,
+    ModelSection,
+    RayInitConfig,
+    RunConfig,
+    _build,
+    is_hub_id,
+    register_configs,
+    resolve_path,
+)
 from recipe.data.sft_dataset import TRUNCATIONS
+from recipe.launch import Entry, Rule
 
 
 @dataclass
@@ -43,16 +54,9 @@ class SFTMultiTurnConfig:
 
 
 @dataclass
-class SFTDataConfig:
-    """`data.*`: demonstrations and batch sizes."""
+class SFTDataConfig(DataFiles):
+    """`data.*`: demonstrations (RL's files and batch size) and how SFT batches and cuts them."""
 
-    train_files: list[str] = field(default_factory=list)
-    """verl multi-turn SFT parquet files (a messages column, an optional tools column)."""
-    val_files: list[str] = field(default_factory=list)
-    """Parquet files of the same format whose loss is measured (val/loss) every trainer.test_freq steps and at the
-    end; empty: no validation."""
-    train_batch_size: int = 256
-    """Conversations per optimizer step, over all data-parallel ranks."""
     micro_batch_size_per_gpu: int = 4
     """Conversations per forward/backward on one rank (also the validation pass)."""
     max_length: int = 1024
@@ -63,14 +67,8 @@ class SFTDataConfig:
     """Column names."""
 
     def __post_init__(self) -> None:
-        self.train_files = [self.train_files] if isinstance(self.train_files, str) else self.train_files
-        self.val_files = [self.val_files] if isinstance(self.val_files, str) else self.val_files
-        if not self.train_files:
-            raise ConfigError("data.train_files is empty; set it to the multi-turn SFT parquet file(s), e.g. "
-                              "data.train_files=[$HOME/data/sft/train.parquet]")
-        self.train_files = [resolve_path(f, "data.train_files") for f in self.train_files]
-        self.val_files = [resolve_path(f, "data.val_files") for f in self.val_files]
-        for key in ("train_batch_size", "micro_batch_size_per_gpu", "max_length"):
+        super().__post_init__()
+        for key in ("micro_batch_size_per_gpu", "max_length"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"data.{key} is {getattr(self, key)}; it must be >= 1")
         if self.truncation not in TRUNCATIONS:
@@ -78,8 +76,8 @@ class SFTDataConfig:
 
 
 @dataclass
-class SFTModelConfig:
-    """`model.*`: the checkpoint to start from."""
+class SFTModelConfig(ModelSection):
+    """`model.*`: the checkpoint to start from, and how its Megatron model is built."""
 
     partial_pretrain: str | None = None
     """HF checkpoint directory (or a hub id, downloaded at start) whose tokenizer's chat template is the rollout's."""
@@ -90,41 +88,6 @@ class SFTModelConfig:
                               "model.partial_pretrain=/models/Qwen2.5-0.5B-Instruct")
         if not is_hub_id(self.partial_pretrain):
             self.partial_pretrain = resolve_path(self.partial_pretrain, "model.partial_pretrain")
-
-
-@dataclass
-class SFTTrainerConfig:
-    """`trainer.*`: run length, resources, output and logging."""
-
-    default_local_dir: str = "outputs/sft"
-    """Output directory: `hf/` (the trained model, an HF directory), metrics.jsonl, wandb files."""
-    project_name: str = "polyturn-sft"
-    """Project name (wandb project)."""
-    experiment_name: str = "sft"
-    """Run name (wandb run)."""
-    logger: list[str] = field(default_factory=lambda: ["console"])
-    """Metric sinks, any of console, wandb."""
-    total_epochs: int = 1
-    """Passes over the training data (each reshuffled, seeded by `seed`) when total_training_steps is null."""
-    total_training_steps: int | None = None
-    """Optimizer steps to train; null: total_epochs x (rows // data.train_batch_size)."""
-    test_freq: int = -1
-    """Measure the validation loss every this many steps (and always at the end, with data.val_files); -1: end only."""
-    n_gpus_per_node: int = 1
-    """GPUs (Megatron ranks) per node; on a Ray cluster without GPUs, a CPU-share bundle each."""
-    nnodes: int = 1
-    """Nodes; more than one: join a Ray cluster (RAY_ADDRESS)."""
-
-    def __post_init__(self) -> None:
-        unknown = [x for x in self.logger if x not in LOGGERS]
-        if unknown:
-            raise ConfigError(f"trainer.logger has {unknown}; use a list of {LOGGERS}, e.g. trainer.logger=[console,wandb]")
-        for key in ("total_epochs", "total_training_steps", "n_gpus_per_node", "nnodes"):
-            if getattr(self, key) is not None and getattr(self, key) < 1:
-                raise ConfigError(f"trainer.{key} is {getattr(self, key)}; it must be >= 1")
-        if self.test_freq == 0 or self.test_freq < -1:
-            raise ConfigError(f"trainer.test_freq is {self.test_freq}; use a step count >= 1, or -1 (end only)")
-        self.default_local_dir = str(Path(self.default_local_dir).expanduser().resolve())
 
 
 @dataclass
@@ -139,8 +102,8 @@ class SFTConfig:
     """`optim.*`: Megatron's Adam and LR schedule (the RL actor's section)."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     """`megatron.*`: tensor / pipeline parallel sizes (data parallelism fills the other ranks)."""
-    trainer: SFTTrainerConfig = field(default_factory=SFTTrainerConfig)
-    """`trainer.*`."""
+    trainer: RunConfig = field(default_factory=RunConfig)
+    """`trainer.*` (the RL trainer's run section)."""
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
     """`ray_init.*`."""
     seed: int = 0
@@ -152,6 +115,8 @@ class SFTConfig:
             if getattr(m, key):
                 raise ConfigError(f"megatron.{key}=true: offloading makes room for colocated engines in RL; SFT has "
                                   "none, drop the key")
+        if self.model.enable_gradient_checkpointing:
+            m.recompute_activations()
         mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
         world = self.trainer.n_gpus_per_node * self.trainer.nnodes
         if world % mp:
@@ -171,74 +136,47 @@ class SFTConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SFTConfig:
         """Build and validate from a plain nested dict (`OmegaConf.to_container(cfg, resolve=True)`)."""
-        d = {k: v for k, v in d.items() if k != "hydra"}
-        for key in _leaf_keys(d):
-            _refuse(key)
-        return _build(cls, d, "")
+        return _build(cls, {k: v for k, v in d.items() if k != "hydra"}, "")
 
 
-# verl fsdp_sft_trainer keys polyturn's SFT refuses by name (a key, or a section with everything under it).
-UNSUPPORTED: dict[str, str] = {
-    "trainer.seed": "the seed is the top-level key: seed=<n>",
-    "trainer.save_freq": "SFT writes one HF directory, <trainer.default_local_dir>/hf, at the end; drop the key",
-    "trainer.max_ckpt_to_keep": "SFT writes one HF directory at the end; drop the key",
-    "trainer.resume_path": "SFT does not resume; start a new run from an exported HF dir (model.partial_pretrain)",
-    "trainer.resume_mode": "SFT does not resume; start a new run from an exported HF dir (model.partial_pretrain)",
-    "trainer.default_hdfs_dir": "outputs go to trainer.default_local_dir only; drop the key",
-    "trainer.device": "the device follows the Ray cluster (GPUs when it has them); drop the key",
-    "trainer.checkpoint": "SFT writes one HF directory at the end; drop the key",
-    "optim.betas": "use optim.adam_beta1 and optim.adam_beta2",
-    "optim.warmup_steps_ratio": "use optim.lr_warmup_steps (optimizer steps)",
-    "optim.lr_scheduler": "use optim.lr_decay_style (constant, linear, cosine, ...) with optim.lr_decay_steps",
-    "data.micro_batch_size": "give the per-GPU size data.micro_batch_size_per_gpu",
-    "data.prompt_key": "polyturn's SFT is multi-turn only: write rows as a messages column (data.multiturn.messages_key)",
-    "data.response_key": "polyturn's SFT is multi-turn only: write rows as a messages column",
-    "data.prompt_dict_keys": "polyturn's SFT is multi-turn only: write rows as a messages column",
-    "data.response_dict_keys": "polyturn's SFT is multi-turn only: write rows as a messages column",
-    "data.chat_template": "the model directory's tokenizer template is used, the same one as the rollout's; drop the key",
-    "data.custom_cls": "the dataset is recipe.data.sft_dataset; drop the key",
-    "data.balance_dp_token": "DP ranks get equal row counts; drop the key",
-    "data.multiturn.enable_thinking_key": "not supported; drop the key",
-    "model.strategy": "polyturn trains with Megatron only (megatron.*); drop the key",
-    "model.fsdp_config": "polyturn trains with Megatron: use megatron.*",
-    "model.lora_rank": "LoRA is not supported; drop the key",
-    "model.enable_gradient_checkpointing": "not wired to Megatron's recompute yet; drop the key",
-    "model.trust_remote_code": "models load through polyturn's HF <-> Megatron conversion (Qwen2 family); drop the key",
-    "model.external_lib": "not supported; drop the key",
-    "model.use_liger": "not supported; drop the key",
-    "ulysses_sequence_parallel_size": "sequence parallelism is not supported; use megatron.tensor_model_parallel_size",
-    "use_remove_padding": "micro-batches are cut to their own padding window; drop the key",
+_ONE_EXPORT = "SFT writes one HF directory, <trainer.default_local_dir>/hf, at the end; drop the key"
+_NO_RESUME = "SFT does not resume; start a new run from an exported HF dir (model.partial_pretrain)"
+_MULTI_TURN = "polyturn's SFT is multi-turn only: write rows as a messages column (data.multiturn.messages_key)"
+
+# verl fsdp_sft_trainer keys that are not keys of SFTConfig (a key, or a section with everything under it).
+SFT_VERL_KEYS: dict[str, Rule] = {
+    "trainer.seed": Rule("the seed is the top-level key", rename="seed"),
+    "trainer.save_freq": Rule(_ONE_EXPORT),
+    "trainer.max_ckpt_to_keep": Rule(_ONE_EXPORT),
+    "trainer.checkpoint": Rule(_ONE_EXPORT),
+    "trainer.resume_path": Rule(_NO_RESUME),
+    "trainer.resume_mode": Rule(_NO_RESUME),
+    "trainer.default_hdfs_dir": Rule("outputs go to trainer.default_local_dir only; drop the key"),
+    "trainer.device": Rule("the device follows the Ray cluster (GPUs when it has them); drop the key"),
+    "optim.betas": Rule("use optim.adam_beta1 and optim.adam_beta2"),
+    "optim.warmup_steps_ratio": Rule("use optim.lr_warmup_steps (optimizer steps)"),
+    "optim.lr_scheduler": Rule("use optim.lr_decay_style (constant, linear, cosine, ...) with optim.lr_decay_steps"),
+    "data.micro_batch_size": Rule("give the per-GPU size data.micro_batch_size_per_gpu"),
+    **{f"data.{k}": Rule(_MULTI_TURN) for k in ("prompt_key", "response_key", "prompt_dict_keys",
+                                                  "response_dict_keys")},
+    "data.chat_template": Rule("the model directory's tokenizer template is used, the same one as the rollout's; "
+                               "drop the key"),
+    "data.custom_cls": Rule("the dataset is recipe.data.sft_dataset; drop the key"),
+    "data.balance_dp_token": Rule("DP ranks get equal row counts; drop the key"),
+    "data.multiturn.enable_thinking_key": Rule("not supported; drop the key"),
+    "model.strategy": Rule("polyturn trains with Megatron only (megatron.*); drop the key"),
+    "model.fsdp_config": Rule("an FSDP knob (polyturn trains with Megatron: megatron.*)", warn=True),
+    "model.lora_rank": Rule("LoRA is not supported; drop the key", accept=(0,)),
+    "model.trust_remote_code": Rule("models load through polyturn's HF <-> Megatron conversion (Qwen2 family); drop "
+                                    "the key", accept=(False,)),
+    "model.external_lib": Rule("not supported; drop the key", accept=(None,)),
+    "model.use_liger": Rule("not supported; drop the key", accept=(False,)),
+    "ulysses_sequence_parallel_size": Rule("sequence parallelism is not supported; use "
+                                           "megatron.tensor_model_parallel_size", accept=(1,)),
+    "use_remove_padding": Rule("micro-batches are cut to their own padding window", warn=True),
 }
 
+SFT = Entry(SFTConfig, "sft_trainer", ("sft_trainer",), SFT_VERL_KEYS, "recipe.main_sft")
+"""The SFT entry point (`recipe.launch.load(argv, SFT)`)."""
 
-def _leaf_keys(d: dict[str, Any], prefix: str = "") -> list[str]:
-    keys = []
-    for k, v in d.items():
-        keys.extend(_leaf_keys(v, f"{prefix}{k}.") if isinstance(v, dict) and v else [prefix + k])
-    return keys
-
-
-def _refuse(key: str) -> None:
-    parts = key.split(".")
-    for i in range(len(parts), 0, -1):
-        advice = UNSUPPORTED.get(".".join(parts[:i]))
-        if advice is not None:
-            raise ConfigError(f"not supported by polyturn: {key}; {advice}")
-
-
-def check_overrides(overrides: list[str]) -> None:
-    """Refuse `key=value` overrides naming a refused verl key (with what to use instead) or an unknown key (with the
-    nearest known ones), before Hydra composes."""
-    known = flat_keys(SFTConfig)
-    sections = {k.rsplit(".", 1)[0] for k in known if "." in k}
-    for arg in overrides:
-        if arg.startswith("-") or "=" not in arg:
-            continue
-        key = arg.split("=", 1)[0].lstrip("+~")
-        if key.startswith("hydra."):
-            continue
-        _refuse(key)
-        if key not in known and key not in sections:
-            near = difflib.get_close_matches(key, known, n=3)
-            raise ConfigError(f"unknown config key {key!r}" + (f"; did you mean {near}?" if near else "") +
-                              " The SFT keys are in recipe/config/sft_trainer.yaml")
+register_configs("sft_trainer_schema", SFTConfig)

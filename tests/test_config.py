@@ -288,18 +288,21 @@ def _leaves(node: dict, prefix: str = "") -> dict:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", [*PRESETS, "sft_trainer"])
 def test_every_preset_value_is_a_default_or_a_line_of_the_preset(preset):
     """Contract: defaults are declared once, in the dataclasses. Every value of a composed preset (unresolved) is
-    the dataclass default or a line of the preset's own YAML (or of ppo_trainer.yaml, which it starts from), and no
-    line of a preset restates the value it would have without it."""
+    the dataclass default or a line of the preset's own YAML (or of ppo_trainer.yaml, which the RL presets start
+    from), and no line of a preset restates the value it would have without it; the SFT preset (sft_trainer, on
+    SFTConfig, whose sections are the RL config's) likewise."""
     import yaml
 
     from recipe.config_schema import defaults
+    from recipe.sft_config import SFTConfig
 
-    schema = _leaves(defaults())
-    base = _leaves({k: v for k, v in yaml.safe_load(Path(CONFIG_DIR, "ppo_trainer.yaml").read_text()).items()
-                    if k not in ("defaults", "hydra")})
+    sft = preset == "sft_trainer"
+    schema = _leaves(defaults(SFTConfig if sft else PPOConfig))
+    base = {} if sft else _leaves({k: v for k, v in yaml.safe_load(Path(CONFIG_DIR, "ppo_trainer.yaml").read_text())
+                                   .items() if k not in ("defaults", "hydra")})
     own = _leaves({k: v for k, v in yaml.safe_load(Path(CONFIG_DIR, f"{preset}.yaml").read_text()).items()
                    if k not in ("defaults", "hydra")})
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):

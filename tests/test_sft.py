@@ -23,7 +23,7 @@ import torch
 from recipe.batch import collate
 from recipe.config_schema import ConfigError, ModelConfig, flat_keys
 from recipe.data.sft_dataset import SFT_KEYS, SFTDataset
-from recipe.sft_config import SFTConfig, check_overrides
+from recipe.sft_config import SFT, SFTConfig
 from rollout.agent_loop import ChatCodec, RolloutPrompt
 from rollout.tools.registry import ToolRegistry
 from tests.test_agent_loop import AddTool, ScriptedEngine, ScriptedUser, _call, _loop
@@ -106,12 +106,11 @@ def test_sft_rows_refused_or_cut_by_name(codec, tmp_path):
 
 
 def _config(tmp_path: Path, **over) -> dict:
-    from omegaconf import OmegaConf
+    """The composed sft_trainer config (its YAML over the dataclasses' defaults) on a one-row file, `over` set."""
+    from recipe import launch
 
-    cfg = OmegaConf.to_container(OmegaConf.load(REPO / "recipe/config/sft_trainer.yaml"))
     f = _write(tmp_path / "d.parquet", [{"messages": [QUESTION, {"role": "assistant", "content": "5"}]}])
-    cfg["data"]["train_files"] = [f]
-    cfg["model"]["partial_pretrain"] = str(tmp_path)
+    cfg = launch.compose(launch.prepare([f"data.train_files=[{f}]", f"model.partial_pretrain={tmp_path}"], SFT))
     for key, value in over.items():
         *path, leaf = key.split(".")
         node = cfg
@@ -123,28 +122,35 @@ def _config(tmp_path: Path, **over) -> dict:
 
 @pytest.mark.unit
 def test_sft_config_surface_and_errors_name_the_key(tmp_path):
-    """Contract: sft_trainer.yaml lists exactly the keys SFTConfig declares; an unknown key, a verl key polyturn's SFT
-    does not take, or a bad value is refused naming the key and the fix."""
-    from omegaconf import OmegaConf
+    """Contract: the composed sft_trainer config holds exactly the keys SFTConfig declares (its sections are the RL
+    trainer's: one declaration per default); verl's SFT keys go through the RL entry's machinery (an unknown key gets
+    "did you mean", a verl key polyturn's SFT does not take is refused naming what to use instead, trainer.seed is the
+    top-level seed, gradient checkpointing is Megatron's recompute); a bad value is refused naming the key and fix."""
+    from megatron_workers.config import FULL_RECOMPUTE
+    from recipe import launch
+    from recipe.config_schema import DataFiles, ModelSection, RunConfig
 
     def leaves(d, prefix=""):
         return [k for key, v in d.items()
                 for k in (leaves(v, f"{prefix}{key}.") if isinstance(v, dict) and v else [prefix + key])]
 
-    assert sorted(leaves(OmegaConf.to_container(OmegaConf.load(REPO / "recipe/config/sft_trainer.yaml")))) \
-        == flat_keys(SFTConfig)
-    SFTConfig.from_dict(_config(tmp_path))
-    with pytest.raises(ConfigError, match=r"unknown config key 'data.max_lenght'; did you mean \['data.max_length'"):
-        check_overrides(["--config-name", "sft_trainer", "data.max_lenght=5"])
-    with pytest.raises(ConfigError, match=r"not supported by polyturn: trainer.seed; the seed is the top-level key"):
-        check_overrides(["trainer.seed=1"])
-    check_overrides(["data.max_length=5", "+seed=3", "hydra.run.dir=x"])
+    assert sorted(leaves(_config(tmp_path))) == flat_keys(SFTConfig)
+    cfg = SFTConfig.from_dict(_config(tmp_path))
+    assert isinstance(cfg.trainer, RunConfig) and isinstance(cfg.data, DataFiles) and isinstance(cfg.model, ModelSection)
+    assert (cfg.optim.lr, cfg.trainer.logger, cfg.trainer.n_gpus_per_node) == (1e-5, ["console"], 1)  # the YAML's
+    base = [f"data.train_files=[{_write(tmp_path / 'e.parquet', [{'messages': [QUESTION]}])}]",
+            f"model.partial_pretrain={tmp_path}"]
+    with pytest.raises(ConfigError, match=r"unknown config key data.max_lenght; did you mean data.max_length\?"):
+        launch.prepare(["--config-name", "sft_trainer", "data.max_lenght=5"], SFT)
+    with pytest.raises(ConfigError, match=r"^optim.betas=\[0.9, 0.95\]: use optim.adam_beta1 and optim.adam_beta2 \| "
+                                          r"data.prompt_key=q: polyturn's SFT is multi-turn only"):
+        launch.prepare(["optim.betas=[0.9,0.95]", "data.prompt_key=q"], SFT)
+    seeded = launch.load([*base, "trainer.seed=3", "model.enable_gradient_checkpointing=true"], SFT)[0]
+    assert seeded.seed == 3 and seeded.megatron.override_transformer_config == FULL_RECOMPUTE
     with pytest.raises(ConfigError, match=r"data.truncation='left'"):
         SFTConfig.from_dict(_config(tmp_path, **{"data.truncation": "left"}))
     with pytest.raises(ConfigError, match=r"data.train_batch_size=3 cannot be split over 2"):
         SFTConfig.from_dict(_config(tmp_path, **{"data.train_batch_size": 3, "trainer.n_gpus_per_node": 2}))
-    with pytest.raises(ConfigError, match=r"not supported by polyturn: optim.betas; use optim.adam_beta1"):
-        SFTConfig.from_dict(_config(tmp_path, **{"optim.betas": [0.9, 0.95]}))
 
 
 def _nll(model_dir: Path, batch: dict[str, torch.Tensor]) -> float:

@@ -84,6 +84,8 @@ _REF_AS_ACTOR = {"param_offload": "every role is offloaded with the actor's flag
                  "dtype": "the KL term compares the reference's log-probs with the actor's: same dtype",
                  "sequence_parallel": "the reference runs the actor's model code"}
 
+_NO_CP = ("context parallelism is not supported: splitting a sequence over ranks needs TransformerEngine's attention "
+          "(Megatron's TE layer spec), and polyturn runs the local layer spec without TransformerEngine")
 # verl keys that are not polyturn keys, by dotted key or by a section with everything under it.
 VERL_KEYS: dict[str, Rule] = {
     **{f"actor_rollout_ref.rollout.{k}": Rule(f"the actor's old-log-prob pass size: actor_rollout_ref.actor.{k}",
@@ -99,16 +101,14 @@ VERL_KEYS: dict[str, Rule] = {
         "Megatron's RNG is seeded by trainer.seed (with the data order and sampling): set trainer.seed",
         rename="trainer.seed"),
     "actor_rollout_ref.actor.megatron.context_parallel_size": Rule(
-        "context parallelism is not supported: drop the key (or set 1) and use tensor_model_parallel_size",
-        accept=(1,)),
+        f"{_NO_CP}; drop the key (or set 1) and use tensor_model_parallel_size", accept=(1,)),
     "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size": Rule(
         "the interleaved pipeline schedule is not used here (same result, more pipeline bubble)", accept=(None, 1),
         warn=True),
     **{f"actor_rollout_ref.ref.megatron.{k}": Rule(
         f"{why}: it must equal actor_rollout_ref.actor.megatron.{k}; set that instead",
         same_as=f"actor_rollout_ref.actor.megatron.{k}") for k, why in _REF_AS_ACTOR.items()},
-    "actor_rollout_ref.ref.megatron.context_parallel_size": Rule(
-        "context parallelism is not supported: drop the key (or set 1)", accept=(1,)),
+    "actor_rollout_ref.ref.megatron.context_parallel_size": Rule(f"{_NO_CP}; drop the key (or set 1)", accept=(1,)),
     "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size": Rule(
         "the interleaved pipeline schedule is not used here (same result)", accept=(None, 1), warn=True),
     "actor_rollout_ref.ref.megatron.seed": Rule("the reference is seeded by trainer.seed", warn=True),

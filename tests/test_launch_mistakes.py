@@ -36,7 +36,8 @@ MISTAKES = [
     ("override that does not parse", ["data.train_files=[a"], "not a key=value override"),
     ("deleting a key", ["~trainer.seed"], "cannot be deleted"),
     ("context parallelism", ["actor_rollout_ref.actor.megatron.context_parallel_size=2"],
-     "context_parallel_size=2: context parallelism is not supported"),
+     "context_parallel_size=2: context parallelism is not supported: splitting a sequence over ranks needs "
+     "TransformerEngine's attention"),
     ("critic warm-up without a critic", ["trainer.critic_warmup=5"], "trainer.critic_warmup=5 warms up a critic"),
     ("reference in another dtype than the actor", ["actor_rollout_ref.ref.megatron.dtype=bfloat16"],
      "must equal actor_rollout_ref.actor.megatron.dtype"),

@@ -261,11 +261,12 @@ def test_allocating_4gb_fails_with_memory_error(isolation, python_runner):
 @pytest.mark.integration
 @pytest.mark.parametrize("isolation", MODES)
 def test_infinite_loop_is_killed_and_reported(isolation, python_runner):
-    """Containment: an endless loop is killed (CPU limit or wall-clock timeout) and the model is told why."""
-    runner = python_runner(isolation, timeout_s=3, cpu_time_s=1)
+    """Containment: an endless loop is killed (CPU limit or wall-clock timeout) and the model is told why.
+    The wall-clock limit leaves a loaded machine time for the later call on the same runner."""
+    runner = python_runner(isolation, timeout_s=10, cpu_time_s=1)
     result = run_code(runner, "while True:\n    pass")
     assert result.error is None and not result.timed_out  # the sandbox stopped it, not the runner
-    assert ("CPU time limit of 1s exceeded" in result.text) or ("timed out after 2s" in result.text)
+    assert ("CPU time limit of 1s exceeded" in result.text) or ("timed out after" in result.text)
     assert result.metrics["exit_code"] < 0
     assert_later_calls_work(runner)
 

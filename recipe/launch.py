@@ -128,8 +128,6 @@ VERL_KEYS: dict[str, Rule] = {
     "critic.strategy": Rule("polyturn trains with Megatron only; drop the key", accept=("megatron",)),
     "actor_rollout_ref.rollout.mode": Rule(
         "the rollout is always the async agent loop", accept=("async",), warn=True),
-    "actor_rollout_ref.rollout.over_sample_rate": Rule(
-        "every sample here runs to its end: no early abort of the slowest ones (verl's over-sampling)", warn=True),
     "actor_rollout_ref.rollout.multi_stage_wake_up": Rule("verl's engine wake-up staging", warn=True),
     "actor_rollout_ref.rollout.enable_chunked_prefill": Rule("SGLang's default applies", warn=True),
     "actor_rollout_ref.rollout.free_cache_engine": Rule("engines always release memory while Megatron trains",

@@ -117,15 +117,18 @@ def move_megatron_state(groups: list[MegatronWorkerGroup], m: Any, method: str) 
 
 
 def trainable(trajs: list[Trajectory], multiple: int) -> list[Trajectory]:
-    """Trajectories with at least one sampled token, cut to a multiple of `multiple` (in order)."""
-    keep = [t for t in trajs if any(t.response_mask)]
+    """Trajectories with at least one sampled token, over-sampled ones left out, cut to a multiple of `multiple`
+    (in order)."""
+    keep = [t for t in trajs if any(t.response_mask) and t.finish_reason is not FinishReason.OVER_SAMPLED]
     return keep[: len(keep) - len(keep) % multiple]
 
 
 async def rollout_with_timeout(agent_loop: AgentLoop, prompts: list[RolloutPrompt], timeout_s: float | None,
-                               greedy: bool = False, seed: int | None = None) -> list[Trajectory]:
+                               greedy: bool = False, seed: int | None = None,
+                               over_sample_rate: float = 0.0) -> list[Trajectory]:
     """`agent_loop.generate(prompts)`, aborted after `timeout_s` seconds (None: no limit); returns what was produced."""
-    task = asyncio.ensure_future(agent_loop.generate(prompts, greedy=greedy, seed=seed))
+    task = asyncio.ensure_future(agent_loop.generate(prompts, greedy=greedy, seed=seed,
+                                                     over_sample_rate=over_sample_rate))
     done, _ = await asyncio.wait({task}, timeout=timeout_s)
     if not done:
         logger.warning("the rollout ran past trainer.rollout_timeout_s=%s; aborting it and training on what it "
@@ -278,7 +281,8 @@ class Trainer:
         timer, algo = Timer(), self.cfg.algorithm
         with timer("step"):
             with timer("rollout"):
-                rolled = self._rollout(prompts.prompts, seed=self._rollout_seed(step))
+                rolled = self._rollout(prompts.prompts, seed=self._rollout_seed(step),
+                                       over_sample_rate=self.cfg.actor_rollout_ref.rollout.over_sample_rate)
             rollout_m = {**rollout_metrics(rolled), **self.agent_loop.instance_metrics()}
             rollout_m["fault/failed_fraction"] = sum(t.finish_reason is FinishReason.ERROR for t in rolled) \
                 / max(len(rolled), 1)
@@ -352,10 +356,11 @@ class Trainer:
 
     # ---- pieces of a step ----------------------------------------------------------------
 
-    def _rollout(self, prompts: list[RolloutPrompt], greedy: bool = False, seed: int | None = None) -> list[Trajectory]:
+    def _rollout(self, prompts: list[RolloutPrompt], greedy: bool = False, seed: int | None = None,
+                 over_sample_rate: float = 0.0) -> list[Trajectory]:
         """The agent loop's rollout of `prompts`, then every engine probed and the dead ones restarted."""
-        trajs = self._loop.run_until_complete(
-            rollout_with_timeout(self.agent_loop, prompts, self.cfg.trainer.rollout_timeout_s, greedy, seed))
+        trajs = self._loop.run_until_complete(rollout_with_timeout(
+            self.agent_loop, prompts, self.cfg.trainer.rollout_timeout_s, greedy, seed, over_sample_rate))
         self.faults["fault/retried_trajectories"] += self.agent_loop.retried
         self._heal_engines()
         return trajs

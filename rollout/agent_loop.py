@@ -227,6 +227,7 @@ class AgentLoop:
         self._parsers: dict[tuple[str, ...], ToolCallParser] = {}
         self._tasks: set[asyncio.Task] = set()
         self._aborted = False
+        self._over_sampled = False  # the running `generate` cut its slowest trajectories (over_sample_rate)
         self._sampling: dict[str, Any] = {}  # the running `generate` call's sampling parameters
         self._seed: int | None = None  # the running `generate` call's seed
         self.retried = 0  # trajectories started over after an engine died, in the running / last `generate` call
@@ -243,16 +244,19 @@ class AgentLoop:
                 self.interactions.validate_sample(p.interaction_kwargs)
 
     async def generate(self, prompts: list[RolloutPrompt], *, greedy: bool = False,
-                       seed: int | None = None) -> list[Trajectory]:
+                       seed: int | None = None, over_sample_rate: float = 0.0) -> list[Trajectory]:
         """Roll out every prompt `n` times concurrently; the trajectories in prompt order, `n` per prompt.
 
         `greedy=True` rolls out each prompt once at temperature 0 (ReMax's baseline). With a `seed`,
         each trajectory samples with its own `sampling_seed(seed, uid)` (honoured by engines started
-        with SGLang's `enable_deterministic_inference`). Returns when every trajectory has ended, or
-        after `abort()` with what was produced so far.
+        with SGLang's `enable_deterministic_inference`). With `over_sample_rate` r > 0, once all but a
+        fraction r of the trajectories have ended, the rest are aborted with finish reason `over_sampled`
+        (verl's over-sampling). Returns when every trajectory has ended, or after `abort()` with what
+        was produced so far.
         """
         self.validate(prompts)
         self._aborted = False
+        self._over_sampled = False
         self._seed = seed
         self.retried = 0
         c = self.config
@@ -273,14 +277,18 @@ class AgentLoop:
         bar = tqdm(total=len(self._tasks), desc="rollout", unit="traj", leave=False, disable=None)  # off unless a tty
         for task in self._tasks:
             task.add_done_callback(lambda _: bar.update())
+        engine_aborts: list[asyncio.Future] = []
+        if over_sample_rate > 0:
+            self._abort_the_rest_after(max(1, int(len(self._tasks) * (1.0 - over_sample_rate))), engine_aborts)
         try:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(*engine_aborts)
         finally:
             self._tasks = set()
             bar.close()
         for t in trajs:  # tasks cancelled before they started never ran their body
             if t.status is not TrajectoryStatus.DONE:
-                t.finish(FinishReason.ABORTED)
+                t.finish(self._cancelled_reason())
         return trajs
 
     async def abort(self) -> None:
@@ -295,6 +303,33 @@ class AgentLoop:
         await self.router.abort_all()
         for task in tasks:
             task.cancel()
+
+    def _abort_the_rest_after(self, target: int, engine_aborts: list[asyncio.Future]) -> None:
+        """Once `target` of the running trajectories have ended, cancel the others as over-sampled and abort
+        their engine requests (the future lands in `engine_aborts`, for `generate` to await)."""
+        tasks = list(self._tasks)
+        ended = 0
+
+        def on_done(_: asyncio.Future) -> None:
+            nonlocal ended
+            ended += 1
+            if ended != target or self._aborted:
+                return
+            rest = [t for t in tasks if not t.done()]
+            if rest:
+                logger.info("over-sampling: %d of %d trajectories ended; aborting the other %d",
+                            target, len(tasks), len(rest))
+                self._over_sampled = True
+                for t in rest:
+                    t.cancel()
+                engine_aborts.append(asyncio.ensure_future(self.router.abort_all()))
+
+        for task in tasks:
+            task.add_done_callback(on_done)
+
+    def _cancelled_reason(self) -> FinishReason:
+        """How a cancelled trajectory ends: over-sampled when over-sampling cut it, else aborted."""
+        return FinishReason.OVER_SAMPLED if self._over_sampled and not self._aborted else FinishReason.ABORTED
 
     # ---- one trajectory ----------------------------------------------------------------
 
@@ -363,7 +398,7 @@ class AgentLoop:
                 await self._turns(traj, instances, interaction)
                 await self._final_tool_rewards(traj, instances)
         except asyncio.CancelledError:
-            traj.finish(FinishReason.ABORTED)
+            traj.finish(self._cancelled_reason())
         except EngineDeadError:
             raise
         except Exception as exc:  # noqa: BLE001 - one broken trajectory must not end the run

@@ -135,6 +135,12 @@ class RolloutConfig:
     max_trajectory_retries: int = 1
     """Times a trajectory whose engine died is started over on an engine still alive (fresh tool instances and
     interaction); past it, it ends in error."""
+    over_sample_rate: float = 0.0
+    """verl's over-sampling: once all but this fraction of a training rollout's trajectories have ended, the rest
+    (the slowest: long generations, slow tools, long chats) are aborted and not trained on (finish reason
+    `over_sampled`; their tools are released and interactions finalized as usual). Cuts the long tail of a
+    multi-turn rollout at the cost of that fraction of samples. 0: every trajectory runs to its end. Validation
+    and ReMax's greedy baseline always run every trajectory."""
     engine_health_timeout_s: float = 60.0
     """Seconds an engine has to answer the one-token health probe the trainer sends every engine after each
     rollout; past it the engine counts as dead and is restarted."""
@@ -157,6 +163,8 @@ class RolloutConfig:
         for key in ("max_engine_restarts", "max_trajectory_retries"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{p}.{key} is {getattr(self, key)}; it must be >= 0")
+        if not 0.0 <= self.over_sample_rate < 1.0:
+            raise ValueError(f"{p}.over_sample_rate is {self.over_sample_rate}; it must lie in [0, 1) (0: off)")
         if self.engine_health_timeout_s <= 0:
             raise ValueError(f"{p}.engine_health_timeout_s is {self.engine_health_timeout_s}; it must be > 0")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -41,6 +41,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # the response-token or model-context budget ran out
     MAX_TURNS = "max_turns"  # it wanted another assistant or user turn past the configured limit
     ABORTED = "aborted"  # the rollout was aborted or the engine aborted the request
+    OVER_SAMPLED = "over_sampled"  # among the slowest `rollout.over_sample_rate` of its batch: aborted, not trained
     ERROR = "error"  # an unexpected error (engine failure); logged, the run goes on
 
 

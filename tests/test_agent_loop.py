@@ -616,3 +616,57 @@ def test_trajectory_carries_its_data_row(tokenizer):
     engine = ScriptedEngine(tokenizer, lambda uid, turn: "#### 42")
     trajs = asyncio.run(_loop(tokenizer, engine, n=2).generate([RolloutPrompt.from_row(row, uid="r7")]))
     assert [(t.data_source, t.ground_truth, t.extra_info["index"]) for t in trajs] == [("openai/gsm8k", "42", 7)] * 2
+
+
+def test_over_sampling_aborts_the_slowest_and_still_releases(tokenizer):
+    """Contract (verl's over_sample_rate): with rate 0.25 of 8 trajectories, once 6 have ended the other 2 (hung on
+    the engine, waiting on a tool, or on a simulated user) are cancelled and their engine requests aborted; they end
+    `over_sampled`, never `aborted`; tools created == released and interactions started == finalized; the trainer
+    leaves them out. Without the rate the same rollout waits for every trajectory; `abort()` still means aborted."""
+    from recipe.trainer import trainable
+
+    slow_tool = FaultyTool("sleepy", "hang", timeout_s=60)
+
+    class SlowUser(ScriptedUser):
+        async def generate_response(self, instance_id, messages, **kwargs):
+            await asyncio.sleep(3600)
+
+    user = SlowUser({"name": "slow"})
+
+    def policy(uid: str, turn: int) -> str | None:
+        kind = uid.split("-")[0]
+        return {"fast": "The answer is 5.", "gen": None, "tool": _call("sleepy", q="z"), "user": "hello"}[kind]
+
+    engine = ScriptedEngine(tokenizer, policy)
+    loop = _loop(tokenizer, engine, [slow_tool], [user], n=2)
+    prompts = [_prompt(f"fast-{i}", tools_kwargs={"sleepy": {}}) for i in range(3)] + \
+        [_prompt("gen-0", tools_kwargs={"sleepy": {}})]
+    out = asyncio.run(asyncio.wait_for(loop.generate(prompts, over_sample_rate=0.25), 30))
+    reasons = {t.uid: t.finish_reason for t in out}
+    assert [reasons[f"fast-{i}/{k}"] for i in range(3) for k in range(2)] == [FinishReason.STOP] * 6
+    assert reasons["gen-0/0"] is reasons["gen-0/1"] is FinishReason.OVER_SAMPLED
+    assert {"gen-0/0#0", "gen-0/1#0"} <= set(engine.aborted)
+    assert slow_tool.created == slow_tool.released == 8
+    assert rollout_metrics(out)["rollout/finish/over_sampled"] == 2
+    assert [t.uid for t in trainable(out, 1)] == [f"fast-{i}/{k}" for i in range(3) for k in range(2)]
+
+    # the 2 slowest of 8 are cut wherever they wait: on a tool call or on the simulated user
+    prompts = [_prompt(f"fast-{i}", tools_kwargs={"sleepy": {}}) for i in range(3)] + \
+        [_prompt("tool-0", tools_kwargs={"sleepy": {}}), _prompt("user-0", interaction_kwargs={"name": "slow"})]
+    loop = _loop(tokenizer, engine, [slow_tool], [user], n=2)
+    out = asyncio.run(asyncio.wait_for(loop.generate(prompts[:3] + prompts[3:4], over_sample_rate=0.25), 30))
+    assert [t.finish_reason for t in out[6:]] == [FinishReason.OVER_SAMPLED] * 2 and slow_tool.cancelled == 2
+    out = asyncio.run(asyncio.wait_for(loop.generate(prompts[:3] + prompts[4:], over_sample_rate=0.25), 30))
+    assert [t.finish_reason for t in out[6:]] == [FinishReason.OVER_SAMPLED] * 2
+    assert sorted(user.started) == sorted(user.finalized) and len(user.started) == 2
+
+    # no rate: the hung trajectories are waited for until the caller aborts, and then they are aborted
+    async def unlimited():
+        task = asyncio.ensure_future(loop.generate(prompts[:1] + prompts[3:4]))
+        await asyncio.sleep(0.5)
+        assert not task.done()
+        await loop.abort()
+        return await task
+
+    out = asyncio.run(unlimited())
+    assert [t.finish_reason for t in out] == [FinishReason.STOP] * 2 + [FinishReason.ABORTED] * 2

@@ -94,7 +94,7 @@ WARNED = ("actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_re
           "global_profiler.tool", "global_profiler.save_path",
           "global_profiler.global_tool_config.torch_memory.trace_alloc_max_entries",
           "global_profiler.global_tool_config.torch_memory.stack_depth", "actor_rollout_ref.rollout.multi_stage_wake_up",
-          "actor_rollout_ref.ref.fsdp_config.param_offload", "actor_rollout_ref.rollout.over_sample_rate")
+          "actor_rollout_ref.ref.fsdp_config.param_offload")
 RECORDS = [{"question": f"Tom has {i} boxes of 3 apples. How many apples?", "answer": f"{i} * 3 = {3 * i}\n#### {3 * i}"}
            for i in range(2, 6)]
 
@@ -140,6 +140,7 @@ def test_verl_3b_line_is_honoured_with_one_warning(home, tiny_model_dir):
     assert ar.ref.reference(ar.actor).optim is None
     assert ar.actor.megatron.override_transformer_config == FULL_RECOMPUTE  # enable_gradient_checkpointing
     assert (ar.rollout.n, ar.rollout.gpu_memory_utilization, ar.rollout.tensor_model_parallel_size) == (16, 0.85, 1)
+    assert ar.rollout.over_sample_rate == 0.1
     assert ar.rollout.multi_turn.tool_config_path == str(REPO / "tool_configs" / "gsm8k_tool_config.yaml")
     t = cfg.trainer
     assert t.logger == ["console", "wandb"] and t.project_name == "multi-turn-grpo-qwen2.5-3b-sglang"

@@ -20,7 +20,7 @@ import functools
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -256,23 +256,33 @@ def report(err: BaseException) -> NoReturn:
     sys.exit(2)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """The entry point: read the command line (verl's keys, recipe.launch), compose and validate, then hand the
-    cleaned overrides to Hydra's app (its run directory, log file and logging), which checks the model and data and
-    runs. Every launch mistake before Ray is one line and exit code 2."""
+def hydra_entry(argv: list[str] | None, entry: launch.Entry, body: Callable[[dict[str, Any]], None]) -> None:
+    """The entry points' start: read the command line (verl's keys, recipe.launch) and compose and validate it (a
+    launch mistake: one line, exit 2), then hand the cleaned overrides to Hydra's app (its run directory, log file
+    and logging), which adapts this process (cpu_compat), logs the start-up warning and calls `body(config_dict)`."""
     argv = sys.argv[1:] if argv is None else argv
     try:
-        plan = launch.load(argv)[2]
+        plan = launch.load(argv, entry)[2]
     except USER_ERRORS as err:
         report(err)
 
-    @hydra.main(config_path="config", config_name=plan.config_name, version_base="1.3")
+    @hydra.main(config_path=str(launch.CONFIG_DIR), config_name=plan.config_name, version_base="1.3")
     def app(cfg: DictConfig) -> None:
         cpu_compat.apply_cpu_compat()  # this process's start (it imports the Megatron worker classes)
         setup_logging()  # keeps Hydra's log file handler; filters third-party import noise
         if plan.warning():
             logger.warning("%s", plan.warning())
-        config_dict = OmegaConf.to_container(cfg, resolve=True)
+        body(OmegaConf.to_container(cfg, resolve=True))
+
+    sys.argv = [sys.argv[0], *plan.hydra_flags, *plan.overrides]
+    app()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The entry point (`hydra_entry`): checks the model and data, then runs. Every launch mistake before Ray is one
+    line and exit code 2; a fault that stops the run is one line and exit code 1."""
+
+    def body(config_dict: dict[str, Any]) -> None:
         try:
             config = PPOConfig.from_dict(config_dict)
             prepared = prepare(config)  # the model and data checks, before Ray
@@ -284,8 +294,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"polyturn: error: {err}", file=sys.stderr, flush=True)
             sys.exit(1)
 
-    sys.argv = [sys.argv[0], *plan.hydra_flags, *plan.overrides]
-    app()
+    hydra_entry(argv, launch.PPO, body)
 
 
 if __name__ == "__main__":

@@ -19,17 +19,10 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
-
-from megatron_workers import cpu_compat
-from recipe import launch
-from recipe.logs import setup_logging
 from recipe.sft_config import SFT, SFTConfig
 
 logger = logging.getLogger(__name__)
@@ -164,28 +157,14 @@ def run(cfg: SFTConfig, config_dict: dict | None = None) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The entry point, as recipe.main_ppo's: read the command line (verl's SFT keys, recipe.launch), compose and
-    validate (a mistake: one line, exit 2, before Ray), then Hydra's app runs and prints the final JSON line."""
-    from recipe.main_ppo import USER_ERRORS, report
+    """The entry point, recipe.main_ppo's `hydra_entry` with verl's SFT keys: a launch mistake is one line and exit 2,
+    before Ray; the run prints its final JSON line."""
+    from recipe.main_ppo import hydra_entry
 
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        plan = launch.load(argv, SFT)[2]
-    except USER_ERRORS as err:
-        report(err)
+    def body(config_dict: dict) -> None:
+        print(json.dumps(run(SFTConfig.from_dict(config_dict), config_dict)), flush=True)
 
-    @hydra.main(config_path="config", config_name=plan.config_name, version_base="1.3")
-    def app(cfg: DictConfig) -> None:
-        cpu_compat.apply_cpu_compat()  # this process's start (it imports the Megatron worker classes)
-        setup_logging()  # keeps Hydra's log file handler; filters third-party import noise
-        if plan.warning():
-            logger.warning("%s", plan.warning())
-        config_dict = OmegaConf.to_container(cfg, resolve=True)
-        result = run(SFTConfig.from_dict(config_dict), config_dict)
-        print(json.dumps(result), flush=True)
-
-    sys.argv = [sys.argv[0], *plan.hydra_flags, *plan.overrides]
-    app()
+    hydra_entry(argv, SFT, body)
 
 
 if __name__ == "__main__":

@@ -100,7 +100,8 @@ class FakeAgentLoop:
     async def _probe(self, timeout_s: float) -> None:
         return None
 
-    async def generate(self, prompts, greedy: bool = False, seed: int | None = None) -> list[Trajectory]:
+    async def generate(self, prompts, greedy: bool = False, seed: int | None = None,
+                       over_sample_rate: float = 0.0) -> list[Trajectory]:
         self.events.append("rollout")
         self.seeds.append(seed)
         trajs = []

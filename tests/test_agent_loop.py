@@ -219,6 +219,19 @@ def _call(name: str, **args: Any) -> str:
     return '<tool_call>\n' + json.dumps({"name": name, "arguments": args}) + '\n</tool_call>'
 
 
+class HungUser(ScriptedUser):
+    """A simulated user that never answers (until cancelled)."""
+
+    async def generate_response(self, instance_id, messages, **kwargs):
+        await asyncio.sleep(3600)
+
+
+def by_kind(uid: str, turn: int) -> str | None:
+    """A policy by the prompt uid's prefix: `fast-*` answer at once, `gen-*` hang on the engine, `tool-*` call the
+    hanging `sleepy` tool, `user-*` answer (then wait on the simulated user)."""
+    return {"fast": "The answer is 5.", "gen": None, "tool": _call("sleepy", q="z"), "user": "hello"}[uid.split("-")[0]]
+
+
 def _prompt(uid: str, text: str = "What is 2 plus 3?", **kw: Any) -> RolloutPrompt:
     return RolloutPrompt(uid=uid, messages=[{"role": "user", "content": text}], **kw)
 
@@ -462,18 +475,8 @@ def test_abort_cancels_everything_and_still_releases(tokenizer):
     """Contract: AgentLoop.abort cancels in-flight engine requests, tool calls and interaction waits;
     every trajectory ends aborted; created == released and started == finalized."""
     slow_tool = FaultyTool("sleepy", "hang", timeout_s=60)
-
-    class SlowUser(ScriptedUser):
-        async def generate_response(self, instance_id, messages, **kwargs):
-            await asyncio.sleep(3600)
-
-    user = SlowUser({"name": "slow"})
-
-    def policy(uid: str, turn: int) -> str | None:
-        kind = uid.split("-")[0]
-        return {"gen": None, "tool": _call("sleepy", q="z"), "user": "hello"}[kind]
-
-    engine = ScriptedEngine(tokenizer, policy)
+    user = HungUser({"name": "slow"})
+    engine = ScriptedEngine(tokenizer, by_kind)
     loop = _loop(tokenizer, engine, [slow_tool], [user], n=2)
     prompts = [_prompt("gen-0", tools_kwargs={"sleepy": {}}), _prompt("tool-0", tools_kwargs={"sleepy": {}}),
                _prompt("user-0", tools_kwargs={"sleepy": {}}, interaction_kwargs={"name": "slow"})]
@@ -626,18 +629,8 @@ def test_over_sampling_aborts_the_slowest_and_still_releases(tokenizer):
     from recipe.trainer import trainable
 
     slow_tool = FaultyTool("sleepy", "hang", timeout_s=60)
-
-    class SlowUser(ScriptedUser):
-        async def generate_response(self, instance_id, messages, **kwargs):
-            await asyncio.sleep(3600)
-
-    user = SlowUser({"name": "slow"})
-
-    def policy(uid: str, turn: int) -> str | None:
-        kind = uid.split("-")[0]
-        return {"fast": "The answer is 5.", "gen": None, "tool": _call("sleepy", q="z"), "user": "hello"}[kind]
-
-    engine = ScriptedEngine(tokenizer, policy)
+    user = HungUser({"name": "slow"})
+    engine = ScriptedEngine(tokenizer, by_kind)
     loop = _loop(tokenizer, engine, [slow_tool], [user], n=2)
     prompts = [_prompt(f"fast-{i}", tools_kwargs={"sleepy": {}}) for i in range(3)] + \
         [_prompt("gen-0", tools_kwargs={"sleepy": {}})]

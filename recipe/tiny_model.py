@@ -427,19 +427,13 @@ def init_weights(spec: TinyModelSpec, vocab_size: int) -> dict[str, torch.Tensor
     weights = {"model.embed_tokens.weight": normal(vocab_size, h)}  # (V, H)
     for layer in range(spec.layers):
         p = f"model.layers.{layer}."
-        weights.update({
-            p + "input_layernorm.weight": norm_weight(),
-            p + "self_attn.q_proj.weight": normal(spec.heads * hd, h),  # (A*D, H)
-            p + "self_attn.k_proj.weight": normal(spec.kv_heads * hd, h),  # (K*D, H)
-            p + "self_attn.v_proj.weight": normal(spec.kv_heads * hd, h),
-        })
-        if spec.arch == "qwen2":
-            weights.update({
-                p + "self_attn.q_proj.bias": normal(spec.heads * hd),
-                p + "self_attn.k_proj.bias": normal(spec.kv_heads * hd),
-                p + "self_attn.v_proj.bias": normal(spec.kv_heads * hd),
-            })
-        else:  # qwen3: RMSNorm over each head's D features of q and k
+        bias = spec.arch == "qwen2"  # drawn right after its weight, so a seed's Qwen2 weights never change
+        weights[p + "input_layernorm.weight"] = norm_weight()
+        for proj, rows in (("q", spec.heads * hd), ("k", spec.kv_heads * hd), ("v", spec.kv_heads * hd)):
+            weights[p + f"self_attn.{proj}_proj.weight"] = normal(rows, h)  # (A*D or K*D, H)
+            if bias:
+                weights[p + f"self_attn.{proj}_proj.bias"] = normal(rows)
+        if not bias:  # qwen3: RMSNorm over each head's D features of q and k
             weights.update({
                 p + "self_attn.q_norm.weight": 1.0 + normal(hd, std=0.1),  # (D,)
                 p + "self_attn.k_norm.weight": 1.0 + normal(hd, std=0.1),

@@ -16,7 +16,15 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from recipe.tiny_model import SPECIAL_TOKENS, TOOL_TOKENS, VOCAB_MULTIPLE, main, write_tiny_checkpoint
+from recipe.tiny_model import (
+    SPECIAL_TOKENS,
+    TOOL_TOKENS,
+    VOCAB_MULTIPLE,
+    TinyModelSpec,
+    init_weights,
+    main,
+    write_tiny_checkpoint,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXPECTED_FILES = {
@@ -89,6 +97,31 @@ def test_same_arguments_give_identical_bytes(tmp_path):
 
 
 # ----------------------------------------------------------------------------- model
+
+
+@pytest.mark.unit
+def test_qwen2_weights_are_drawn_in_checkpoint_order():
+    """Contract: a seed's Qwen2 weights stay what they were before Qwen3 existed. Each tensor is the next draw from one
+    seeded generator in HF order, each projection's bias right after its weight (the CPU preset's documented runs
+    start from these weights; reordering the draws silently changes every seed's model)."""
+    spec = TinyModelSpec(layers=2, hidden=32, heads=4, kv_heads=2, intermediate=48, seed=3, init_std=0.02)
+    weights = init_weights(spec, vocab_size=64)
+    gen = torch.Generator().manual_seed(3)
+    order = ["model.embed_tokens.weight"]
+    for layer in range(2):
+        p = f"model.layers.{layer}."
+        order += [p + "input_layernorm.weight"]
+        order += [p + f"self_attn.{proj}_proj.{kind}" for proj in "qkv" for kind in ("weight", "bias")]
+        order += [p + n for n in ("self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                                  "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")]
+    order += ["model.norm.weight", "lm_head.weight"]
+    assert sorted(order) == sorted(weights)
+    for name in order:
+        draw = torch.randn(*weights[name].shape, generator=gen)
+        expected = 1.0 + draw * 0.1 if name.endswith("norm.weight") else draw * 0.02
+        assert torch.equal(weights[name], expected), name
+
+
 
 
 @pytest.mark.unit

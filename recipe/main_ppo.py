@@ -21,6 +21,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -114,21 +115,30 @@ def build_workers(cfg: PPOConfig, model_path: str, plan: PlacementPlan) -> Worke
         g.build(functools.partial(cls, model_path, roles[role], **kwargs))
         return g
 
-    temperature = ar.rollout.temperature
-    actor = group("actor", MegatronActor, temperature=temperature)
-    ref = group("ref", MegatronActor, temperature=temperature) if "ref" in plan.roles else None
-    critic = group("critic", MegatronCritic) if "critic" in plan.roles else None
-    # The engines size their KV cache from the GPU memory free when they start: offload the training state first.
-    move_megatron_state([g for g in (actor, ref, critic) if g is not None], m, "offload")
     r = ar.rollout
-    engines = [
-        EngineClient.launch(model_path, name=f"engine{i}", ray_options=placement.engine_options(i), tp_size=e.tp,
-                            base_gpu_id=e.base_gpu_id, dtype=r.dtype, mem_fraction_static=r.gpu_memory_utilization,
-                            max_total_tokens=r.max_total_tokens, random_seed=cfg.trainer.seed + i, log_level="error",
-                            enable_memory_saver=plan.hybrid and placement.use_gpus,
-                            enable_deterministic_inference=r.deterministic)
-        for i, e in enumerate(plan.engines)
-    ]
+    colocated = plan.hybrid and placement.use_gpus
+
+    def launch(i: int, e) -> EngineClient:
+        return EngineClient.launch(
+            model_path, name=f"engine{i}", ray_options=placement.engine_options(i), tp_size=e.tp,
+            base_gpu_id=e.base_gpu_id, dtype=r.dtype, mem_fraction_static=r.gpu_memory_utilization,
+            max_total_tokens=r.max_total_tokens, random_seed=cfg.trainer.seed + i, log_level="error",
+            enable_memory_saver=colocated, enable_deterministic_inference=r.deterministic)
+
+    temperature = ar.rollout.temperature
+    with ThreadPoolExecutor(max_workers=len(plan.engines), thread_name_prefix="engine-launch") as pool:
+        def start_engines() -> list[Future]:
+            return [pool.submit(launch, i, e) for i, e in enumerate(plan.engines)]
+
+        # Engines that share no GPU memory with the ranks start while the ranks build (their start-up is
+        # mostly waiting on their own processes); colocated ones size their KV cache from the GPU memory
+        # free when they start, so they wait until the training state is offloaded.
+        starting = None if colocated else start_engines()
+        actor = group("actor", MegatronActor, temperature=temperature)
+        ref = group("ref", MegatronActor, temperature=temperature) if "ref" in plan.roles else None
+        critic = group("critic", MegatronCritic) if "critic" in plan.roles else None
+        move_megatron_state([g for g in (actor, ref, critic) if g is not None], m, "offload")
+        engines = [f.result() for f in (starting or start_engines())]
     mode = r.update_weights_mode or ("tensor" if plan.hybrid else "distributed")
     weight_sync = WeightSync(
         actor, engines, mode=mode, bucket_bytes=r.update_weights_bucket_megabytes << 20, engine_dtype=r.dtype,
@@ -137,7 +147,7 @@ def build_workers(cfg: PPOConfig, model_path: str, plan: PlacementPlan) -> Worke
     # Engines and ranks take turns on GPU memory only where there is some: on a cluster without GPUs
     # there is nothing to hand over (and SGLang 0.5.23's release ends in torch.cuda.synchronize()).
     return Workers(actor=actor, ref=ref, critic=critic, engines=engines, weight_sync=weight_sync,
-                   colocated=plan.hybrid and placement.use_gpus, placement=placement)
+                   colocated=colocated, placement=placement)
 
 
 @dataclasses.dataclass

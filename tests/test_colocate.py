@@ -179,10 +179,9 @@ def test_colocated_step_takes_turns_on_the_gpus_in_order(tmp_path):
     trainer.close()
 
 
-@pytest.mark.unit
-def test_workers_are_built_offloaded_before_any_engine_starts(tmp_path, monkeypatch):
-    """Contract (hybrid, offload on): `build_workers` offloads every Megatron group's state before it launches the
-    first engine, so the engines size their KV cache on GPUs free of training state."""
+def build_with_recorders(tmp_path, monkeypatch, use_gpus: bool, events: list[str], on_build=None, on_launch=None):
+    """`main_ppo.build_workers` on the hybrid 2-GPU plan with recorders for the groups, the placement, the engines'
+    launch and the weight sync; `on_build(role)` / `on_launch(name)` run inside each group build / engine launch."""
     import transformers
 
     import megatron_workers.worker_group as worker_group
@@ -191,8 +190,6 @@ def test_workers_are_built_offloaded_before_any_engine_starts(tmp_path, monkeypa
     import rollout.engines.engine_actor as engine_actor
     from recipe.placement import plan_placement
 
-    events: list[str] = []
-
     class Group(FakeGroup):
         def __init__(self, layout, rank_options, **kwargs) -> None:
             super().__init__(rank_options, events)
@@ -200,17 +197,21 @@ def test_workers_are_built_offloaded_before_any_engine_starts(tmp_path, monkeypa
 
         def build(self, factory) -> None:
             events.append(f"{self.name}.build")
+            if on_build:
+                on_build(self.name)
 
     class Placement:
-        use_gpus = True
+        def __init__(self, plan) -> None:
+            self.use_gpus = use_gpus
 
-        def __init__(self, plan) -> None: ...
         def rank_options(self, role: str) -> str: return role
         def check_ranks(self, role, gpu_ids) -> None: ...
         def engine_options(self, i: int) -> dict: return {}
 
     def launch(model_path, name, **kwargs):
         events.append(f"{name}.launch")
+        if on_launch:
+            on_launch(name)
         return FakeEngine(name, events)
 
     monkeypatch.setattr(worker_group, "MegatronWorkerGroup", Group)
@@ -218,11 +219,46 @@ def test_workers_are_built_offloaded_before_any_engine_starts(tmp_path, monkeypa
     monkeypatch.setattr(engine_actor.EngineClient, "launch", staticmethod(launch))
     monkeypatch.setattr(weight_sync, "WeightSync", lambda *args, **kwargs: FakeSync(events))
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", staticmethod(lambda path: None))
-    trainer, _ = make_trainer(tmp_path, OFFLOAD + ["trainer.n_gpus_per_node=2"], colocated=True)
-    main_ppo.build_workers(trainer.cfg, "model", plan_placement(trainer.cfg))
-    trainer.close()
+    trainer, _ = make_trainer(tmp_path, OFFLOAD + ["trainer.n_gpus_per_node=2"], colocated=use_gpus)
+    try:
+        return main_ppo.build_workers(trainer.cfg, "model", plan_placement(trainer.cfg))
+    finally:
+        trainer.close()
+
+
+@pytest.mark.unit
+def test_workers_are_built_offloaded_before_any_engine_starts(tmp_path, monkeypatch):
+    """Contract (hybrid, offload on): `build_workers` offloads every Megatron group's state before it launches the
+    first engine, so the engines size their KV cache on GPUs free of training state."""
+    events: list[str] = []
+    build_with_recorders(tmp_path, monkeypatch, True, events)
     assert events[:8] == ["actor.build", "ref.build", "critic.build", "actor.offload", "ref.offload",
                           "critic.offload", "engine0.launch", "engine1.launch"]
+
+
+@pytest.mark.unit
+def test_engines_without_shared_gpu_memory_start_while_the_ranks_build(tmp_path, monkeypatch):
+    """Contract: where engines share no GPU memory with the ranks (here: no GPUs), every engine's launch is under
+    way while the actor group builds: the actor's build waits for both launches to begin and each launch waits for
+    the actor's build, which only completes if they overlap. The workers come back whole, engines in order."""
+    import threading
+
+    events: list[str] = []
+    launched = {name: threading.Event() for name in ("engine0", "engine1")}
+    actor_building = threading.Event()
+
+    def on_build(role: str) -> None:
+        if role == "actor":
+            actor_building.set()
+            assert all(e.wait(10) for e in launched.values()), "the engines did not start during the actor's build"
+
+    def on_launch(name: str) -> None:
+        launched[name].set()
+        assert actor_building.wait(10), f"{name} launched but the actor never built alongside it"
+
+    workers = build_with_recorders(tmp_path, monkeypatch, False, events, on_build, on_launch)
+    assert [e.name for e in workers.engines] == ["engine0", "engine1"] and not workers.colocated
+    assert events.index("critic.offload") > events.index("actor.build")
 
 
 @pytest.mark.unit

@@ -42,11 +42,11 @@ class MegatronActor(MegatronRunner):
         super().__init__(hf_dir, cfg)
 
     def _head(self, mb: MicroBatch, dev: Batch, output: torch.Tensor) -> dict[str, torch.Tensor]:
-        logits, targets, kept = self._response_slice(mb, dev, output)  # (b, T', V/tp), (b, T')
+        logits, targets, real = self._response_outputs(dev, output)  # (n, V/tp), (n,), (b, T)
         log_probs, entropy = vocab_parallel_logprobs_entropy(
             logits, targets, mpu.get_tensor_model_parallel_group(), temperature=self.temperature
-        )
-        return {"log_probs": log_probs, "entropy": entropy, "kept": kept}
+        )  # (n,) each
+        return {"log_probs": self.on_response_axis(log_probs, real), "entropy": self.on_response_axis(entropy, real)}
 
     def compute_log_prob(self, batch: Batch, calculate_entropy: bool = False) -> Batch:
         """Per-token log-probs `(B, T)` of the response tokens (0 on padding), and entropy.

@@ -5,7 +5,7 @@
 The driver validates the layout and the checkpoint's tensors (refusing before any process
 starts), runs transformers' own forward (fp32, eager attention) on a fixed, seeded, right-padded
 batch of variable-length sequences, then spawns TP*PP gloo/NCCL processes that each load their
-shards, run the batch through Megatron's pipeline schedule (forward only, causal + padding mask)
+shards, run the batch's real tokens packed (`packing.pack`, THD) through Megatron's pipeline schedule (forward only)
 and export the weights back to HF names. It compares, on valid positions only, logits and the
 per-token log-probs of the next token (Megatron's from its vocab-parallel cross entropy, i.e. the
 path the actor uses), and requires the HF -> Megatron -> HF round trip to be bit-exact.
@@ -100,22 +100,24 @@ def _megatron_forward(model: torch.nn.Module, batch: ParityBatch) -> dict[str, t
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_workers.model import causal_padding_mask
+    from megatron_workers.attention import packed_seq_params
+    from megatron_workers.packing import pack
 
     device = next(model.parameters()).device
     ids = batch.input_ids.to(device)  # (B, T)
-    bsz, length = ids.shape
-    position_ids = torch.arange(length, device=device)[None, :].expand(bsz, length)  # (B, T)
-    mask = causal_padding_mask(batch.attention_mask).to(device)  # (B, 1, T, T)
+    real = batch.attention_mask.bool().to(device)  # (B, T)
+    packed = pack(batch.input_ids, batch.attention_mask)  # the real tokens, (1, t)
+    params = packed_seq_params(packed.cu_seqlens.to(device), packed.max_seqlen)
 
     def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        shard = output.float()  # (B, T, V/tp)
+        shard = output.new_zeros(*ids.shape, output.shape[-1]).float()  # (B, T, V/tp), 0 on padding
+        shard[real] = output[0].float()  # (t, V/tp) back onto the padded batch
         logprobs = -tensor_parallel.vocab_parallel_cross_entropy(shard[:, :-1].clone(), ids[:, 1:])  # (B, T-1)
         logits = tensor_parallel.gather_from_tensor_model_parallel_region(shard)  # (B, T, V)
         return torch.zeros((), device=device), {"logits": logits.cpu(), "logprobs": logprobs.cpu()}
 
     def forward_step(_data_iterator: None, gpt: torch.nn.Module) -> tuple[torch.Tensor, Any]:
-        return gpt(ids, position_ids, mask), loss_func
+        return gpt(packed.ids.to(device), packed.positions.to(device), None, packed_seq_params=params), loss_func
 
     with torch.no_grad():
         outputs = get_forward_backward_func()(
@@ -123,8 +125,8 @@ def _megatron_forward(model: torch.nn.Module, batch: ParityBatch) -> dict[str, t
             data_iterator=None,  # one micro-batch, closed over by forward_step
             model=[model],
             num_microbatches=1,
-            seq_length=length,
-            micro_batch_size=bsz,
+            seq_length=packed.ids.shape[1],
+            micro_batch_size=1,
             forward_only=True,
         )
     return outputs[0] if parallel_state.is_pipeline_last_stage() else None

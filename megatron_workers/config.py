@@ -122,10 +122,12 @@ class WorkerConfig:
     """Prompts per optimizer step, before x rollout.n (verl's meaning); the trainer splits the batch by it."""
     ppo_micro_batch_size_per_gpu: int = 4
     """Samples per forward/backward on one rank; also sizes the log-prob and value passes."""
-    use_dynamic_bsz: bool = False
-    """Pack micro-batches by token count (ppo_max_token_len_per_gpu) instead of a fixed row count."""
+    use_dynamic_bsz: bool = True
+    """Cut micro-batches by real-token count (ppo_max_token_len_per_gpu) instead of a fixed row count. verl's
+    default is False; here it is True because sequences are packed without padding, so a token budget is what
+    bounds a micro-batch's memory and work (losses are exact for any cut; see runner.py)."""
     ppo_max_token_len_per_gpu: int = 16384
-    """Token budget of one dynamic micro-batch: rows x padded window length."""
+    """Real tokens (prompt + response, no padding) of one dynamic micro-batch; a longer single sequence gets its own."""
     ppo_epochs: int = 1
     """Passes over each step's batch."""
     log_prob_micro_batch_size_per_gpu: int | None = None

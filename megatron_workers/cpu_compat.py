@@ -37,6 +37,8 @@ session), before importing megatron. Measured against megatron-core 0.16.1 and t
   TypeError). While `DistributedOptimizer` or `Float16OptimizerWithFloat16Params` is constructed
   (only then), `Tensor.type()` without arguments answers the CUDA name of a CPU tensor's type;
   their sharding, fp32 main params and gloo reduce-scatter / all-gather then run unchanged.
+- polyturn's packed attention (`megatron_workers.attention`) defaults to PyTorch's varlen
+  Flash-Attention, a CUDA kernel; its `KERNEL` becomes the per-segment `scaled_dot_product_attention`.
 
 With a GPU present, `apply_cpu_compat()` changes nothing and answers "nccl".
 """
@@ -62,6 +64,7 @@ _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange")
 _OPTIMIZER_MODULE = "megatron.core.optimizer.optimizer"
 _DISTRIB_OPTIMIZER_MODULE = "megatron.core.optimizer.distrib_optimizer"
 _RNG_MODULE = "megatron.core.tensor_parallel.random"
+_ATTENTION_MODULE = "megatron_workers.attention"
 # Modules adapted as they are imported: those that create tensors with device="cuda" on the CPU-reachable path
 # (megatron-core 0.16.1), and the distributed optimizer (its type checks).
 _CUDA_FACTORY_MODULES = (
@@ -71,8 +74,9 @@ _CUDA_FACTORY_MODULES = (
     "megatron.core.utils",
     _DISTRIB_OPTIMIZER_MODULE,
 )
-# Every module adapted as it is imported: the above, and the RNG state helpers of activation recompute.
-_ADAPTED_MODULES = (*_CUDA_FACTORY_MODULES, _RNG_MODULE)
+# Every module adapted as it is imported: the above, the RNG state helpers of activation recompute and
+# polyturn's packed attention (its kernel).
+_ADAPTED_MODULES = (*_CUDA_FACTORY_MODULES, _RNG_MODULE, _ATTENTION_MODULE)
 
 
 def _cpu_device(*_args: Any, **_kwargs: Any) -> torch.device:
@@ -152,8 +156,11 @@ def _torch_view_on_cpu() -> types.ModuleType:
 
 
 def _adapt_module(module: types.ModuleType) -> None:
-    """Adapt one of `_ADAPTED_MODULES`: recompute's RNG state helpers, or a CPU view of torch (and the optimizer's
-    clip, the optimizers' type checks)."""
+    """Adapt one of `_ADAPTED_MODULES`: recompute's RNG state helpers, the packed attention's kernel, or a CPU
+    view of torch (and the optimizer's clip, the optimizers' type checks)."""
+    if module.__name__ == _ATTENTION_MODULE:
+        module.KERNEL = module.segment_sdpa
+        return
     if module.__name__ == _RNG_MODULE:
         module._get_cuda_rng_state = _no_rng_state
         module._set_cuda_rng_state = _ignore_rng_state

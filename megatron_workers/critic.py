@@ -67,8 +67,8 @@ class MegatronCritic(MegatronRunner):
         return module
 
     def _head(self, mb: MicroBatch, dev: Batch, output: torch.Tensor) -> dict[str, torch.Tensor]:
-        values, _, kept = self._response_slice(mb, dev, output)  # (b, T', 1)
-        return {"values": values.squeeze(-1).float(), "kept": kept}
+        values, _, real = self._response_outputs(dev, output)  # (n, 1), (b, T)
+        return {"values": self.on_response_axis(values.squeeze(-1).float(), real)}
 
     def compute_values(self, batch: Batch) -> Batch:
         """Per-token values `(B, T)` of the response positions (0 on padding); last stage only."""

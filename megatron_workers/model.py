@@ -23,6 +23,7 @@ from megatron_workers.adapters import (
     load_hf_weights,
     read_decoder_shape,
 )
+from megatron_workers.attention import PackedAttention
 
 try:
     from megatron.core.models.gpt import GPTModel
@@ -38,7 +39,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "build_gpt_model",
-    "causal_padding_mask",
     "export_hf_state_dict",
     "hf_to_transformer_config",
     "load_hf_checkpoint",
@@ -98,15 +98,19 @@ def build_gpt_model(
     """This rank's `GPTModel` stage (TP/PP position from `parallel_state`), randomly initialised;
     fill it with `load_hf_weights`. `overrides` go to `hf_to_transformer_config` (params_dtype too).
 
-    Needs `parallel.init_distributed` first. Uses Megatron's local layer spec (no TransformerEngine).
+    Needs `parallel.init_distributed` first. Uses Megatron's local layer spec (no TransformerEngine)
+    with `attention.PackedAttention` as its core attention: the model takes packed sequences
+    (`packing.pack`, `attention.packed_seq_params`) and no attention mask.
     """
     shape = read_decoder_shape(hf_config)
     overrides.setdefault("tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size())
     overrides.setdefault("pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size())
     config = hf_to_transformer_config(hf_config, **overrides)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm)
+    spec.submodules.self_attention.submodules.core_attention = PackedAttention
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm),
+        transformer_layer_spec=spec,
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage() if pre_process is None else pre_process,
@@ -116,15 +120,6 @@ def build_gpt_model(
         rotary_percent=1.0,
         rotary_base=shape.rope_theta,
     )
-
-
-def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """`attention_mask` (b, s) of 1/0 -> the GPTModel's (b, 1, s, s) bool mask, True where attention
-    is blocked: a later position (causal) or a padding key."""
-    s = attention_mask.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()  # (s, s)
-    allowed = causal.unsqueeze(0) & attention_mask.bool().unsqueeze(1)  # (b, s, s)
-    return ~allowed.unsqueeze(1)
 
 
 def load_hf_checkpoint(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:

@@ -27,11 +27,13 @@ Where it departs from the textbook training loop:
   `finalize_model_grads` that does not rescale), so any `loss_agg_mode` is exact for any
   micro-batch count, dynamic batching and DP size. `metrics` values follow the same rule
   (summed over micro-batches and DP ranks, then averaged over mini-batches).
-- Micro-batches are cut to their own padding window (columns that hold a real token in at
-  least one row), so dynamic batching by token count (`use_dynamic_bsz`) saves compute on a
-  padded layout; pipeline stages then exchange variable shapes (`variable_seq_lengths`). The
-  forward-only passes have their own sizes (`log_prob_micro_batch_size_per_gpu`,
-  `log_prob_use_dynamic_bsz`, `log_prob_max_token_len_per_gpu`).
+- No padding reaches the model: each micro-batch's real tokens are packed into one sequence
+  (`packing.py`, Megatron's THD layout with `PackedSeqParams`; `attention.py` attends within each
+  row's segment), and the head's outputs return onto the `(b, T)` response axis with the same
+  masks. Dynamic batching (`use_dynamic_bsz`) fills micro-batches up to a budget of real tokens;
+  pipeline stages exchange variable shapes (`variable_seq_lengths`). The forward-only passes have
+  their own sizes (`log_prob_micro_batch_size_per_gpu`, `log_prob_use_dynamic_bsz`,
+  `log_prob_max_token_len_per_gpu`).
 - A non-finite gradient anywhere refuses the optimizer step with an error naming the
   mini-batch, instead of writing NaN into the weights; bad input is refused before any
   forward, naming the sample.
@@ -53,7 +55,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import unwrap_model
 
-from megatron_workers import checkpoint, device_check, model as mmodel
+from megatron_workers import attention, checkpoint, device_check, model as mmodel, packing
 from megatron_workers.config import OptimConfig, WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -117,45 +119,39 @@ def validate_batch(batch: Batch, offset: int = 0) -> None:
 
 @dataclass
 class MicroBatch:
-    """Rows of a batch, cut to the columns [lo, hi) where at least one row has a real token."""
+    """Rows of a batch and their real tokens packed into one sequence (`packing.pack`)."""
 
     rows: torch.Tensor  # (b,) indices into the parent batch
-    lo: int  # first kept column of the (B, S) sequence
-    hi: int  # one past the last kept column
-    tensors: Batch  # parent tensors restricted to `rows` (full columns)
-    resp_len: int  # T of the parent batch
-    seq_len: int  # S of the parent batch
+    tensors: Batch  # parent tensors restricted to `rows`
+    pack: packing.Pack
 
     @property
     def tokens(self) -> int:
-        return len(self.rows) * (self.hi - self.lo)
+        """Real tokens: what the model computes."""
+        return int(self.pack.cu_seqlens[-1])
 
-    def window(self) -> Batch:
-        """What goes to the device: the sequence keys cut to columns [lo, hi) `(b, s)`, the rest as they are."""
-        return {k: v[:, self.lo:self.hi] if k in SEQUENCE_KEYS else v for k, v in self.tensors.items()}
-
-
-def _window(attention_mask: torch.Tensor, resp_len: int) -> tuple[int, int]:
-    """Columns [lo, hi) of `attention_mask` (b, S) holding a real token in some row, widened to
-    keep the last prompt column and the first response column."""
-    S = attention_mask.shape[1]
-    cols = attention_mask.bool().any(dim=0).nonzero().flatten()
-    lo = min(int(cols[0]), S - resp_len - 1)
-    hi = max(int(cols[-1]) + 1, S - resp_len + 1)
-    return lo, hi
+    def device_batch(self) -> Batch:
+        """What goes to the device: the pack (`packed_ids`, `packed_positions (1, t)`, `cu_seqlens (b + 1,)`),
+        `response_index (b, T)` (the pack position that predicts each response token, -1 on padding) and
+        the rows' response-axis and per-sample tensors; the padded sequence keys stay on the host."""
+        S, T = self.tensors["input_ids"].shape[1], self.tensors["responses"].shape[1]
+        real = self.tensors["attention_mask"][:, S - T:].bool()  # (b, T)
+        response_index = torch.where(real, self.pack.index[:, S - T - 1: S - 1], -1)  # (b, T)
+        return {**{k: v for k, v in self.tensors.items() if k not in SEQUENCE_KEYS},
+                "packed_ids": self.pack.ids, "packed_positions": self.pack.positions,
+                "cu_seqlens": self.pack.cu_seqlens, "response_index": response_index}
 
 
 def _make_micro_batch(batch: Batch, rows: torch.Tensor) -> MicroBatch:
-    S, T = batch["input_ids"].shape[1], batch["responses"].shape[1]
     tensors = {k: v.index_select(0, rows) for k, v in batch.items()}
-    lo, hi = _window(tensors["attention_mask"], T)
-    return MicroBatch(rows=rows, lo=lo, hi=hi, tensors=tensors, resp_len=T, seq_len=S)
+    return MicroBatch(rows=rows, tensors=tensors, pack=packing.pack(tensors["input_ids"], tensors["attention_mask"]))
 
 
 def split_micro_batches(batch: Batch, cfg: WorkerConfig, forward_only: bool = False) -> list[MicroBatch]:
-    """Fixed-size micro-batches in order, or (use_dynamic_bsz) packs of rows sorted by length
-    whose `rows * window length` stays within `ppo_max_token_len_per_gpu` (a longer single row gets its own).
-    `forward_only` passes (log-probs, values) use the `log_prob_*` sizes where they are set."""
+    """Fixed-size micro-batches in order, or (use_dynamic_bsz) rows packed first-fit by decreasing
+    length so that each micro-batch's real tokens stay within `ppo_max_token_len_per_gpu` (a longer
+    single row gets its own). `forward_only` passes (log-probs, values) use the `log_prob_*` sizes
+    where they are set."""
     B = batch["input_ids"].shape[0]
     size, dynamic, max_tokens = cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
     if forward_only:
@@ -164,24 +160,25 @@ def split_micro_batches(batch: Batch, cfg: WorkerConfig, forward_only: bool = Fa
         max_tokens = cfg.log_prob_max_token_len_per_gpu or max_tokens
     if not dynamic:
         return [_make_micro_batch(batch, torch.arange(i, min(i + size, B))) for i in range(0, B, size)]
-    attention_mask, T = batch["attention_mask"], batch["responses"].shape[1]
-    order = torch.argsort(attention_mask.sum(dim=1), descending=True, stable=True)
-    packs: list[list[int]] = [[]]
-    for i in order.tolist():
-        candidate = packs[-1] + [i]
-        lo, hi = _window(attention_mask[candidate], T)  # the window alone: no copy of every tensor
-        if packs[-1] and len(candidate) * (hi - lo) > max_tokens:
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    packs: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(B), key=lambda r: -lengths[r]):
+        fit = next((p for p, load in enumerate(loads) if load + lengths[i] <= max_tokens), None)
+        if fit is None:
             packs.append([i])
+            loads.append(lengths[i])
         else:
-            packs[-1] = candidate
+            packs[fit].append(i)
+            loads[fit] += lengths[i]
     return [_make_micro_batch(batch, torch.tensor(sorted(p))) for p in packs]
 
 
 def _scatter_rows(chunks: list[tuple[torch.Tensor, torch.Tensor]], B: int, T: int) -> torch.Tensor:
-    """Host-side: micro-batch results `(rows (b,), values (b, T'))` -> one `(B, T)` fp32 tensor."""
+    """Host-side: micro-batch results `(rows (b,), values (b, T))` -> one `(B, T)` fp32 tensor."""
     out = torch.zeros(B, T, dtype=torch.float32)  # (B, T)
     for rows, values in chunks:
-        out[rows, : values.shape[1]] = values.float()
+        out[rows] = values.float()
     return out
 
 
@@ -279,10 +276,10 @@ class MegatronRunner:
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
             mb = next(data_iterator)
-            dev = device_check.to_device(mb.window(), self._device)  # the seam, inbound: once, whole
-            output = model(
-                input_ids=dev["input_ids"], position_ids=dev["position_ids"],
-                attention_mask=mmodel.causal_padding_mask(dev["attention_mask"]),  # (b, 1, s, s)
+            dev = device_check.to_device(mb.device_batch(), self._device)  # the seam, inbound: once, whole
+            output = model(  # (1, t, ...) on the last stage
+                input_ids=dev["packed_ids"], position_ids=dev["packed_positions"], attention_mask=None,
+                packed_seq_params=attention.packed_seq_params(dev["cu_seqlens"], mb.pack.max_seqlen),
             )
             return output, functools.partial(loss_func, mb, dev)
 
@@ -293,8 +290,8 @@ class MegatronRunner:
                 data_iterator=iter(mbs),
                 model=self.model,
                 num_microbatches=len(mbs),
-                seq_length=max(mb.hi - mb.lo for mb in mbs),
-                micro_batch_size=max(len(mb.rows) for mb in mbs),
+                seq_length=max(mb.tokens for mb in mbs),
+                micro_batch_size=1,  # one packed sequence per micro-batch
                 forward_only=forward_only,
             )
 
@@ -318,17 +315,21 @@ class MegatronRunner:
     def _device(self) -> torch.device:
         return torch.device(torch.cuda.current_device())  # a GPU index, or the CPU adapter's device
 
-    def _response_slice(self, mb: MicroBatch, dev: Batch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Output positions that predict the response tokens kept in the window.
+    @staticmethod
+    def _response_outputs(dev: Batch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The model's outputs at the pack positions that predict the response tokens.
 
-        Returns `(pred (b, T', ...), targets (b, T'), T')` where T' <= T response columns are inside
-        the window; position `S-T-1+j` predicts response token `j`.
+        `output (1, t, ...)` -> `(pred (n, ...), targets (n,), real (b, T))`: the n real response tokens
+        in row-major order of `real`; `on_response_axis` puts per-token results back onto `(b, T)`.
         """
-        start = mb.seq_len - mb.resp_len  # first response column
-        kept = mb.hi - start  # response columns inside the window
-        pred = output[:, start - 1 - mb.lo: mb.hi - 1 - mb.lo]  # (b, T', ...)
-        targets = dev["responses"][:, :kept]  # (b, T')
-        return pred, targets, kept
+        real = dev["response_index"] >= 0  # (b, T)
+        pred = output[0].index_select(0, dev["response_index"][real])  # (n, ...)
+        return pred, dev["responses"][real], real
+
+    @staticmethod
+    def on_response_axis(values: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """`values (n,)` in row-major order of `real (b, T)` -> `(b, T)`, 0 off `real` (keeps gradients)."""
+        return values.new_zeros(real.shape).masked_scatter(real, values)
 
     def _global_counts(self, batch: Batch) -> tuple[int, int]:
         """Response tokens and samples of `batch` summed over the DP group."""
@@ -379,13 +380,7 @@ class MegatronRunner:
                 tokens, seqs = self._global_counts(mini)
 
                 def on_outputs(mb: MicroBatch, dev: Batch, head: dict[str, torch.Tensor]):
-                    kept = head["kept"]  # response columns inside the window: (b, T) tensors are cut to (b, T')
-                    loss, metrics = loss_fn({
-                        **{k: v[:, :kept] if k not in SEQUENCE_KEYS and v.dim() == 2 and v.shape[1] == mb.resp_len
-                           else v for k, v in dev.items()},
-                        **{k: v for k, v in head.items() if k != "kept"},
-                        "global_token_count": tokens, "global_seq_count": seqs,
-                    })
+                    loss, metrics = loss_fn({**dev, **head, "global_token_count": tokens, "global_seq_count": seqs})
                     metrics = device_check.to_host({k: v.detach() if torch.is_tensor(v) else v
                                                     for k, v in metrics.items()})  # the seam, outbound
                     return loss, {k: float(v) for k, v in metrics.items()}

@@ -75,8 +75,8 @@ def _start_actor(cfg: SFTConfig, path: str, placement: Any) -> Any:
                                 seed=cfg.seed)
     try:
         placement.check_ranks("actor", [info.gpu_ids for info in group.ranks])
-        actor_cfg = ActorConfig(optim=cfg.optim, ppo_mini_batch_size=d.train_batch_size,
-                                ppo_micro_batch_size_per_gpu=d.micro_batch_size_per_gpu, megatron=m)
+        actor_cfg = ActorConfig(optim=cfg.optim, ppo_mini_batch_size=d.train_batch_size, use_dynamic_bsz=False,
+                                ppo_micro_batch_size_per_gpu=d.micro_batch_size_per_gpu, megatron=m)  # verl SFT's rows
         group.build(functools.partial(MegatronActor, path, actor_cfg))
     except BaseException:
         group.shutdown()

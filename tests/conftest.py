@@ -39,6 +39,17 @@ def dist_backend() -> str:
     return cpu_compat.apply_cpu_compat()
 
 
+@pytest.fixture(scope="module")
+def world_of_one(dist_backend):
+    """torch.distributed + Megatron groups for a single rank in this process, torn down after the module."""
+    from megatron_workers import parallel
+    from megatron_workers.ports import free_port
+
+    parallel.init_distributed(0, 1, "127.0.0.1", free_port(), tp=1, pp=1, backend=dist_backend, seed=0)
+    yield
+    parallel.destroy()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """An HF-format Qwen2-architecture checkpoint + tokenizer with a tool-aware chat template."""

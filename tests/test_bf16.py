@@ -11,20 +11,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_workers import parallel
-from megatron_workers.ports import free_port
 from tests.test_actor import make_batch, masked_pg_loss
 
 pytestmark = pytest.mark.unit
 
 GAP_TOLERANCE = 0.05  # max |log p_bf16 - log p_fp32| over the sampled tokens (see the test's docstring)
-
-
-@pytest.fixture(scope="module")
-def world_of_one(dist_backend):
-    parallel.init_distributed(0, 1, "127.0.0.1", free_port(), tp=1, pp=1, backend=dist_backend, seed=0)
-    yield
-    parallel.destroy()
 
 
 @pytest.fixture(scope="module")

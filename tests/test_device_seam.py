@@ -11,18 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_workers import parallel
-from megatron_workers.ports import free_port
 from tests.test_actor import make_batch, masked_pg_loss
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(scope="module")
-def world_of_one(dist_backend):
-    parallel.init_distributed(0, 1, "127.0.0.1", free_port(), tp=1, pp=1, backend=dist_backend, seed=0)
-    yield
-    parallel.destroy()
 
 
 def _cfg(optim: bool, dtype: str = "float32"):

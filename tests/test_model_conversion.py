@@ -10,7 +10,8 @@ import torch
 
 from megatron_workers import adapters, check_parity, parallel
 from megatron_workers import model as conversion
-from megatron_workers.ports import free_port
+from megatron_workers.attention import packed_seq_params
+from megatron_workers.packing import pack
 
 pytestmark = pytest.mark.unit
 
@@ -42,14 +43,6 @@ def write_hf_checkpoint(out_dir: Path, *, tied: bool, family: str = "qwen2", see
                 param.uniform_(0.5, 1.5)
     model.save_pretrained(out_dir)
     return out_dir
-
-
-@pytest.fixture(scope="module")
-def world_of_one(dist_backend):
-    """torch.distributed + Megatron groups for a single rank, torn down after the module."""
-    parallel.init_distributed(0, 1, "127.0.0.1", free_port(), tp=1, pp=1, backend=dist_backend, seed=0)
-    yield
-    parallel.destroy()
 
 
 def _qwen2_config(**changes):
@@ -154,7 +147,7 @@ def test_state_dict_check_names_missing_and_misshaped_tensors():
 @pytest.mark.parametrize("family, tied", [("qwen2", False), ("qwen2", True), ("llama", False), ("qwen3", True)])
 def test_roundtrip_and_logits_single_rank(world_of_one, tmp_path, family, tied):
     """Contract: HF -> Megatron -> HF is bit-exact, and Megatron's logits match transformers'
-    (right-padded batch, causal + padding mask) within 1e-4 on valid positions."""
+    (right-padded batch, its real tokens packed) within 1e-4 on valid positions."""
     ckpt = write_hf_checkpoint(tmp_path / "ckpt", tied=tied, family=family)
     hf_config, state = conversion.load_hf_checkpoint(ckpt)
     assert ("lm_head.weight" in state) == (not tied)
@@ -168,13 +161,13 @@ def test_roundtrip_and_logits_single_rank(world_of_one, tmp_path, family, tied):
         assert torch.equal(exported[name], tensor), name
 
     batch = check_parity.make_batch(256, seed=1)
-    ids = batch.input_ids
-    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    packed = pack(batch.input_ids, batch.attention_mask)  # the real tokens, (1, t)
     with torch.no_grad():
-        logits = gpt(ids, positions, conversion.causal_padding_mask(batch.attention_mask))  # (B, T, V)
+        logits = gpt(packed.ids, packed.positions, None,
+                     packed_seq_params=packed_seq_params(packed.cu_seqlens, packed.max_seqlen))[0]  # (t, V)
     ref_logits, _ = check_parity.hf_reference(ckpt, batch)
     valid = batch.attention_mask.bool()
-    assert (logits[valid] - ref_logits[valid]).abs().max().item() < 1e-4
+    assert (logits - ref_logits[valid]).abs().max().item() < 1e-4
 
 
 def test_load_names_missing_tensor_and_wrong_shape(world_of_one, tmp_path):

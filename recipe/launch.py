@@ -157,6 +157,12 @@ VERL_KEYS: dict[str, Rule] = {
                                 accept=(False,)),
     "reward_model.reward_manager": Rule("rewards come from recipe.reward (verl's naive manager)",
                                         accept=("naive",)),
+    "algorithm.rollout_correction.bypass_mode": Rule(
+        "old log-probs are always recomputed by the trainer (the decoupled mode); drop the key", accept=(False,)),
+    "algorithm.rollout_correction.use_policy_gradient": Rule(
+        "the policy loss is always PPO's clipped surrogate; drop the key", accept=(False,)),
+    "algorithm.rollout_correction.rollout_is_batch_normalize": Rule(
+        "IS weights are not renormalised to mean 1; drop the key", accept=(False,)),
     "reward_model": Rule("a model reward is not supported: rewards come from custom_reward_function.* and reward.*; "
                          "drop reward_model.*"),
 }

@@ -41,6 +41,9 @@ Where it departs from verl's `RayPPOTrainer.fit`:
   no weights (the engines keep sampling with the unchanged ones) and logs `trainer/actor_updated` 0.
 - `training/rollout_probs_diff_{mean,max,std}` (verl's names) watch the gap between the engine's
   and the actor's probabilities of each sampled token: |exp(old_log_prob) - exp(rollout_log_prob)|.
+  With `algorithm.rollout_correction.*` set, the same two log-probs give each token an importance weight
+  (`algos/rollout_correction.py`) that the policy loss applies, with `rollout_corr/*` metrics; this works in
+  the synchronous schedule, where the gap is the engine's numerics against the trainer's.
 """
 from __future__ import annotations
 
@@ -65,6 +68,7 @@ from recipe.algos import (
     make_kl_controller,
     place_token_rewards,
     policy_loss,
+    rollout_weights,
     value_loss,
 )
 from recipe import checkpoint
@@ -302,6 +306,10 @@ class Trainer:
             with timer("old_log_prob"):
                 batch["old_log_probs"] = self._infer(self.workers.actor, "compute_log_prob", batch)["log_probs"]
             probs_diff = rollout_probs_diff(batch["old_log_probs"], batch["rollout_logprobs"], batch["response_mask"])
+            if algo.rollout_correction.enabled:
+                batch["rollout_is_weights"], correction_m = rollout_weights(
+                    batch["old_log_probs"], batch["rollout_logprobs"], batch["response_mask"], algo.rollout_correction)
+                probs_diff.update(correction_m)
             if self.workers.ref is not None:
                 with timer("ref"):
                     batch["ref_log_probs"] = self._infer(self.workers.ref, "compute_log_prob", batch)["log_probs"]

@@ -26,6 +26,7 @@ from recipe.algos import (
     masked_whiten,
     place_token_rewards,
     policy_loss,
+    RolloutCorrectionConfig,
     value_loss,
 )
 
@@ -490,6 +491,10 @@ def test_value_loss_micro_batch_shares_sum_to_full_batch(mode):
         (lambda: AlgorithmConfig(kl_penalty="k9"), "algorithm.kl_penalty"),
         (lambda: AlgorithmConfig(kl_ctrl={"type": "pid"}), "algorithm.kl_ctrl.type"),
         (lambda: KLControlConfig(type="adaptive", target_kl=0.0), "algorithm.kl_ctrl.target_kl"),
+        (lambda: AlgorithmConfig(rollout_correction={"rollout_is": "seq"}), "algorithm.rollout_correction.rollout_is"),
+        (lambda: RolloutCorrectionConfig(rollout_rs="token"), "algorithm.rollout_correction.rollout_rs"),
+        (lambda: RolloutCorrectionConfig(rollout_rs="token", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=3.0),
+         "algorithm.rollout_correction.rollout_rs_threshold_lower"),
     ],
 )
 def test_config_errors_name_the_key(make, key):

@@ -28,9 +28,11 @@ class FakeGroup:
 
     def __init__(self, name: str, events: list[str]) -> None:
         self.name, self.events = name, events
+        self.batches: dict[str, dict] = {}  # the last batch of each method
 
     def dispatch(self, method: str, batch: dict, mini_batches: int | None = None, **kwargs) -> list[dict]:
         self.events.append(f"{self.name}.{method}")
+        self.batches[method] = batch
         shape = batch["responses"].shape
         if method in ("compute_log_prob", "compute_values"):
             return [{"log_probs": torch.zeros(shape), "values": torch.zeros(shape)}]

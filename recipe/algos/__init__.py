@@ -19,6 +19,7 @@ from recipe.algos.kl import (
 from recipe.algos.losses import LOSS_AGG_MODES, PolicyLossConfig, ValueLossConfig, agg_loss, policy_loss, value_loss
 from recipe.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from recipe.algos.rewards import last_sampled_index, place_token_rewards
+from recipe.algos.rollout_correction import RolloutCorrectionConfig, rollout_weights
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -31,6 +32,7 @@ __all__ = [
     "KLControlConfig",
     "KLController",
     "PolicyLossConfig",
+    "RolloutCorrectionConfig",
     "ValueLossConfig",
     "agg_loss",
     "apply_kl_penalty",
@@ -38,6 +40,7 @@ __all__ = [
     "kl_penalty",
     "last_sampled_index",
     "make_kl_controller",
+    "rollout_weights",
     "masked_mean",
     "masked_sum",
     "masked_var",

@@ -29,6 +29,7 @@ from torch import Tensor
 from recipe.algos.checks import check_2d, check_finite, check_mask_values, check_same_shape
 from recipe.algos.kl import KL_KINDS, KLControlConfig
 from recipe.algos.masked import masked_whiten
+from recipe.algos.rollout_correction import RolloutCorrectionConfig
 
 
 @dataclass
@@ -44,7 +45,7 @@ class AdvantageInputs:
 
 @dataclass
 class AlgorithmConfig:
-    """`algorithm.*`: advantage estimator and KL in the reward (verl's keys)."""
+    """`algorithm.*`: advantage estimator, KL in the reward and rollout correction (verl's keys)."""
 
     adv_estimator: str = "grpo"
     """Advantage estimator, one of ADV_ESTIMATORS (gae needs the critic, remax a greedy rollout per prompt)."""
@@ -62,10 +63,14 @@ class AlgorithmConfig:
     """KL estimator for the reward penalty, one of KL_KINDS."""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """How beta of the KL-in-reward penalty is chosen."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Importance weights of the engine's samples against the trainer's old log-probs (TIS / MIS)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.kl_ctrl, dict):
             self.kl_ctrl = KLControlConfig(**self.kl_ctrl)
+        if isinstance(self.rollout_correction, dict):
+            self.rollout_correction = RolloutCorrectionConfig(**self.rollout_correction)
         if self.adv_estimator not in ADV_ESTIMATORS:
             raise ValueError(
                 f"algorithm.adv_estimator is {self.adv_estimator!r}; use one of {sorted(ADV_ESTIMATORS)}"

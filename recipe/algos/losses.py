@@ -165,7 +165,7 @@ def policy_loss(mb: dict[str, Any], cfg: PolicyLossConfig) -> tuple[Tensor, dict
     """PPO policy loss share and metrics of one micro-batch (see module doc for the contract).
 
     mb: `log_probs` (B, T) with grad, `old_log_probs`, `advantages`, `response_mask` (B, T),
-    optional `entropy`, `ref_log_probs` (B, T); ints `global_token_count`, `global_seq_count`.
+    optional `entropy`, `ref_log_probs`, `rollout_is_weights` (B, T); ints `global_token_count`, `global_seq_count`.
     Metrics: pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, and entropy / kl_loss when present.
     """
     mask, n_tok, n_seq = _mask_and_counts(mb)
@@ -187,6 +187,8 @@ def policy_loss(mb: dict[str, Any], cfg: PolicyLossConfig) -> tuple[Tensor, dict
         cap = -advantages * cfg.clip_ratio_c  # (B, T)
         dual_clipped = (advantages < 0) & (pg_losses > cap)
         pg_losses = torch.where(dual_clipped, cap, pg_losses)
+    if "rollout_is_weights" in mb:  # rollout correction (rollout_correction.py): detached, 0 on rejected tokens
+        pg_losses = pg_losses * mb["rollout_is_weights"]
     pg_loss = agg(pg_losses)
     loss = pg_loss
 

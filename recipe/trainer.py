@@ -50,7 +50,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -212,7 +212,7 @@ class Trainer:
             self.validate(self.global_step)
         for step in tqdm(range(self.global_step + 1, self.total_steps + 1), desc="training", unit="step",
                          initial=self.global_step, total=self.total_steps, disable=None):  # None: off unless a tty
-            self.step(self._next_batch(batches), step)
+            self.step(self._next_batch(batches), step, more=lambda: self._next_batch(batches))
             self.global_step = step
             if self.validator is not None and t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps):
                 self.validate(step)
@@ -280,17 +280,20 @@ class Trainer:
         self.sync_weights()
         logger.info("resumed from %s: step %d, weight version %d", directory, self.global_step, self.weight_version)
 
-    def step(self, prompts: PromptBatch, step: int) -> dict[str, float]:
-        """One RL step; returns (and logs) its metrics."""
+    def step(self, prompts: PromptBatch, step: int, more: Callable[[], PromptBatch] | None = None) -> dict[str, float]:
+        """One RL step; returns (and logs) its metrics. `more` draws the next prompt batch (dynamic sampling)."""
         timer, algo = Timer(), self.cfg.algorithm
         with timer("step"):
             with timer("rollout"):
                 rolled = self._rollout(prompts.prompts, seed=self._rollout_seed(step),
                                        over_sample_rate=self.cfg.actor_rollout_ref.rollout.over_sample_rate)
-            rollout_m = {**rollout_metrics(rolled), **self.agent_loop.instance_metrics()}
+                kept, filter_m = rolled, {}
+                if algo.filter_groups.enable:
+                    rolled, kept, filter_m = self._filter_groups(rolled, step, more)
+            rollout_m = {**rollout_metrics(rolled), **self.agent_loop.instance_metrics(), **filter_m}
             rollout_m["fault/failed_fraction"] = sum(t.finish_reason is FinishReason.ERROR for t in rolled) \
                 / max(len(rolled), 1)
-            trajs = trainable(rolled, self.row_multiple)
+            trajs = trainable(kept, self.row_multiple)
             if rollout_m["fault/failed_fraction"] > self.cfg.trainer.max_failed_fraction or not trajs:
                 return self._skip_step(step, rolled, {**rollout_m, **timer.metrics})
             self.failed_steps_in_row = 0
@@ -436,12 +439,61 @@ class Trainer:
                             f"(trainer.max_failed_steps={t.max_failed_steps})")
         return metrics
 
-    def _rollout_seed(self, step: int) -> int | None:
-        """The agent loop's seed for step `step` (a function of trainer.seed and the step only, so a resumed run
-        samples what the uninterrupted one did); None unless rollout.deterministic."""
+    def _rollout_seed(self, step: int, gen: int = 0) -> int | None:
+        """The agent loop's seed for prompt batch `gen` of step `step` (a function of trainer.seed, the step and the
+        batch only, so a resumed run samples what the uninterrupted one did); None unless rollout.deterministic."""
         if not self.cfg.actor_rollout_ref.rollout.deterministic:
             return None
-        return self.cfg.trainer.seed * 1_000_003 + step
+        return self.cfg.trainer.seed * 1_000_003 + step + gen * 7_777_777
+
+    def _filter_groups(self, rolled: list[Trajectory], step: int, more: Callable[[], PromptBatch] | None,
+                       ) -> tuple[list[Trajectory], list[Trajectory], dict[str, float]]:
+        """Dynamic sampling (`algorithm.filter_groups`): keep the groups whose samples differ in the metric, rolling
+        out further prompt batches (from `more`) until `data.train_batch_size` groups are kept or
+        `max_num_gen_batches` batches were rolled out. Returns (every trajectory rolled out, those of the first
+        `train_batch_size` kept groups, metrics)."""
+        fg, want = self.cfg.algorithm.filter_groups, self.cfg.data.train_batch_size
+        everything, batch, gens = list(rolled), rolled, 1
+        kept: list[list[Trajectory]] = []
+        dropped = 0
+        while True:
+            for group in self._groups(batch):
+                if len(group) > 1 and float(torch.tensor(self._group_metric(group, fg.metric)).std()) > 0:  # NaN: no
+                    kept.append(group)
+                else:
+                    dropped += 1
+            if len(kept) >= want or more is None or 0 < fg.max_num_gen_batches <= gens:
+                break
+            logger.info("step %d: dynamic sampling kept %d of %d groups; rolling out prompt batch %d",
+                        step, len(kept), want, gens + 1)
+            batch = self._rollout(more().prompts, seed=self._rollout_seed(step, gens),
+                                  over_sample_rate=self.cfg.actor_rollout_ref.rollout.over_sample_rate)
+            everything += batch
+            gens += 1
+        metrics = {"rollout/filter_groups/kept_groups": float(min(len(kept), want)),
+                   "rollout/filter_groups/dropped_groups": float(dropped), "rollout/filter_groups/gen_batches": float(gens)}
+        return everything, [t for group in kept[:want] for t in group], metrics
+
+    @staticmethod
+    def _groups(trajs: list[Trajectory]) -> list[list[Trajectory]]:
+        """The trainable samples of `trajs` by prompt (the GRPO groups), in order of first appearance."""
+        groups: dict[str, list[Trajectory]] = {}
+        for t in trajs:
+            if any(t.response_mask) and t.finish_reason is not FinishReason.OVER_SAMPLED:
+                groups.setdefault(t.prompt_uid, []).append(t)
+        return list(groups.values())
+
+    def _group_metric(self, group: list[Trajectory], metric: str) -> list[float]:
+        """Each sample's `algorithm.filter_groups.metric`."""
+        terms = self.reward_fn.terms(group)
+        if metric == "score":
+            return terms.outcome.tolist()
+        if metric == "seq_reward":
+            return terms.totals(self.cfg.reward).tolist()
+        if "acc" not in terms.extra:
+            raise RunFailed("algorithm.filter_groups.metric=acc but the reward function returns no 'acc' key; "
+                            "use algorithm.filter_groups.metric=score (or return {'score': ..., 'acc': ...})")
+        return terms.extra["acc"]
 
     def _greedy_baselines(self, prompts: list[RolloutPrompt], trajs: list[Trajectory]) -> torch.Tensor:
         """(B,) ReMax baselines: each sample's prompt rolled out greedily, its weighted total reward."""

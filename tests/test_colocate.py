@@ -130,7 +130,8 @@ class FakeTracker:
     def finish(self) -> None: ...
 
 
-def make_trainer(tmp_path: Path, overrides: list[str], colocated: bool) -> tuple[Trainer, list[str]]:
+def make_trainer(tmp_path: Path, overrides: list[str], colocated: bool,
+                 loop_cls: type[FakeAgentLoop] = FakeAgentLoop) -> tuple[Trainer, list[str]]:
     data = tmp_path / "train.parquet"
     data.write_bytes(b"")  # validation only checks that the file exists
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
@@ -143,7 +144,7 @@ def make_trainer(tmp_path: Path, overrides: list[str], colocated: bool) -> tuple
     workers = Workers(actor=FakeGroup("actor", events), ref=FakeGroup("ref", events), critic=FakeGroup("critic", events),
                       engines=[FakeEngine("engine0", events), FakeEngine("engine1", events)],
                       weight_sync=FakeSync(events), colocated=colocated)
-    loop = FakeAgentLoop(events, config.actor_rollout_ref.rollout.n)
+    loop = loop_cls(events, config.actor_rollout_ref.rollout.n)
     return Trainer(config, workers, loop, FakeTracker()), events
 
 

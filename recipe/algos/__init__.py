@@ -5,7 +5,14 @@ registry), `kl` (KL estimators and KL-in-reward controllers), `losses` (policy a
 losses whose micro-batch shares sum to the mini-batch loss), `masked` (masked reductions),
 `checks` (input validation). Everything a trainer needs is re-exported here.
 """
-from recipe.algos.advantages import ADV_ESTIMATORS, AdvantageInputs, AlgorithmConfig, compute_advantage
+from recipe.algos.advantages import (
+    ADV_ESTIMATORS,
+    FILTER_METRICS,
+    AdvantageInputs,
+    AlgorithmConfig,
+    FilterGroupsConfig,
+    compute_advantage,
+)
 from recipe.algos.kl import (
     KL_KINDS,
     AdaptiveKLController,
@@ -23,11 +30,13 @@ from recipe.algos.rollout_correction import RolloutCorrectionConfig, rollout_wei
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "FILTER_METRICS",
     "KL_KINDS",
     "LOSS_AGG_MODES",
     "AdaptiveKLController",
     "AdvantageInputs",
     "AlgorithmConfig",
+    "FilterGroupsConfig",
     "FixedKLController",
     "KLControlConfig",
     "KLController",

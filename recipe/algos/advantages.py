@@ -43,6 +43,33 @@ class AdvantageInputs:
     reward_baselines: Tensor | None = None  # (B,) reward of a greedy sample of the same prompt: remax
 
 
+FILTER_METRICS = ("acc", "score", "seq_reward")
+
+
+@dataclass
+class FilterGroupsConfig:
+    """`algorithm.filter_groups.*`: dynamic sampling (DAPO's filter, verl's keys). A group whose samples all score the
+    same carries no signal to a group-relative estimator: it is dropped, and more prompt batches are rolled out until
+    the step holds `data.train_batch_size` groups that differ."""
+
+    enable: bool = False
+    """Drop groups with no spread in `metric` and refill the batch."""
+    metric: str | None = None
+    """What must differ inside a group: "acc" (the scorer's `acc` key), "score" (the outcome score) or "seq_reward"
+    (the weighted total reward); required when enabled."""
+    max_num_gen_batches: int = 0
+    """Prompt batches rolled out per step at most, the first included; 0: no limit (verl's meaning). A step that
+    reaches the limit trains on the groups it has."""
+
+    def __post_init__(self) -> None:
+        if self.enable and self.metric not in FILTER_METRICS:
+            raise ValueError(f"algorithm.filter_groups.metric is {self.metric!r}; with filter_groups.enable=true use "
+                             f"one of {FILTER_METRICS}")
+        if self.max_num_gen_batches < 0:
+            raise ValueError(f"algorithm.filter_groups.max_num_gen_batches is {self.max_num_gen_batches}; it must be "
+                             ">= 0 (0: no limit)")
+
+
 @dataclass
 class AlgorithmConfig:
     """`algorithm.*`: advantage estimator, KL in the reward and rollout correction (verl's keys)."""
@@ -65,12 +92,16 @@ class AlgorithmConfig:
     """How beta of the KL-in-reward penalty is chosen."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Importance weights of the engine's samples against the trainer's old log-probs (TIS / MIS)."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """Dynamic sampling: groups without a reward spread dropped, the batch refilled."""
 
     def __post_init__(self) -> None:
         if isinstance(self.kl_ctrl, dict):
             self.kl_ctrl = KLControlConfig(**self.kl_ctrl)
         if isinstance(self.rollout_correction, dict):
             self.rollout_correction = RolloutCorrectionConfig(**self.rollout_correction)
+        if isinstance(self.filter_groups, dict):
+            self.filter_groups = FilterGroupsConfig(**self.filter_groups)
         if self.adv_estimator not in ADV_ESTIMATORS:
             raise ValueError(
                 f"algorithm.adv_estimator is {self.adv_estimator!r}; use one of {sorted(ADV_ESTIMATORS)}"

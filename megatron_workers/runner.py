@@ -34,6 +34,8 @@ Where it departs from the textbook training loop:
   pipeline stages exchange variable shapes (`variable_seq_lengths`). The forward-only passes have
   their own sizes (`log_prob_micro_batch_size_per_gpu`, `log_prob_use_dynamic_bsz`,
   `log_prob_max_token_len_per_gpu`).
+- Gradient reduction over DP overlaps the backward pass (`overlap_grad_reduce`, bucketed, with the schedule's
+  `no_sync` for all but the last micro-batch).
 - A non-finite gradient anywhere refuses the optimizer step with an error naming the
   mini-batch, instead of writing NaN into the weights; bad input is refused before any
   forward, naming the sample.
@@ -210,9 +212,13 @@ class MegatronRunner:
             self.model = [module]
             return
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.optim.use_distributed_optimizer
+            grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=cfg.optim.use_distributed_optimizer
         )
         self.model = [DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)]
+        # The DP reduction of each gradient bucket starts during the last micro-batch's backward, as soon as the
+        # bucket is complete; earlier micro-batches only accumulate (the schedule enters no_sync around them), and
+        # finalize_model_grads waits for the reductions.
+        module.config.no_sync_func = self.model[0].no_sync
         self._build_optimizer(cfg.optim)
 
     @property

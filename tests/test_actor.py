@@ -151,7 +151,7 @@ def groups(ray_cluster):
 
 def build_actor(group, model_dir: Path, role_cls=None, **cfg_kwargs) -> None:
     """(Re)build a MegatronActor (or `role_cls`) from `model_dir` on every rank of `group` (fp32 unless
-    `megatron=` says otherwise)."""
+    `megatron=` says otherwise; fixed micro-batch sizes unless `use_dynamic_bsz=True`)."""
     import functools
 
     from megatron_workers.actor import MegatronActor
@@ -159,6 +159,7 @@ def build_actor(group, model_dir: Path, role_cls=None, **cfg_kwargs) -> None:
 
     optim = cfg_kwargs.pop("optim", OptimConfig(lr=1e-3, adam_eps=1e-4, clip_grad=1.0))
     cfg_kwargs.setdefault("megatron", MegatronConfig(dtype="float32"))  # parity with transformers in fp32
+    cfg_kwargs.setdefault("use_dynamic_bsz", False)  # the tests' micro-batch sizes, unless they ask for token budgets
     cfg = ActorConfig(optim=optim, **cfg_kwargs)
     group.build(functools.partial(role_cls or MegatronActor, str(model_dir), cfg))
 
@@ -208,12 +209,14 @@ def test_log_probs_tp2_pp2_match_transformers(groups, tiny_model_dir):
 def test_ppo_update_same_weights_for_every_layout(groups, tiny_model_dir):
     """Contract: parallelism does not change the math. Two PPO mini-batch steps (Adam, grad
     clipping) from the same weights and batch give the same new weights within 1e-5 at
-    (TP, PP) = (1,1), (2,1), (1,2), (2,2), and DP=2 equals DP=1 for the same global batch."""
+    (TP, PP) = (1,1), (2,1), (1,2), (2,2), and DP=2 equals DP=1 for the same global batch (with one and with two
+    micro-batches per rank: the overlapped DP reduction waits for the last)."""
     batch = ppo_batch(tiny_model_dir)
     results = {}
-    for layout in [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2)]:
-        group = groups(*layout)
-        build_actor(group, tiny_model_dir, ppo_micro_batch_size_per_gpu=2)
+    for layout in [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (1, 1, 2, 1)]:
+        group = groups(*layout[:3])
+        # the last layout: DP=2 with two micro-batches per rank (the DP reduction overlaps the second's backward)
+        build_actor(group, tiny_model_dir, ppo_micro_batch_size_per_gpu=layout[3] if len(layout) > 3 else 2)
         before = hf_weights(group)
         metrics = update(group, batch, mini_batch_size=4)
         results[layout] = (metrics, hf_weights(group))

@@ -73,9 +73,10 @@ class MegatronConfig:
     dtype: str = "bfloat16"
     """Parameter and activation dtype (verl's key): bfloat16 (mixed precision: fp32 main params, Adam moments and
     gradient reduction in the optimizer; log-softmax, log-probs and losses in fp32) or float32."""
-    sequence_parallel: bool | None = None
-    """Megatron sequence parallelism (verl's key). Not available with the local layer spec (its torch norms refuse
-    it; it needs TransformerEngine's): null or false run without it, true is refused."""
+    sequence_parallel: bool = True
+    """Megatron sequence parallelism (verl's key and default): outside the attention and MLP blocks each TP rank keeps
+    only its slice of the sequence (less activation memory; all-gather / reduce-scatter in place of all-reduce).
+    Applies when tensor_model_parallel_size > 1 (with one TP rank there is nothing to split)."""
     override_transformer_config: dict = field(default_factory=dict)
     """Megatron TransformerConfig fields passed through as they are (verl's key), e.g. activation recompute:
     {recompute_granularity: full, recompute_method: uniform, recompute_num_layers: 1} (granularity full alone gets
@@ -87,9 +88,6 @@ class MegatronConfig:
                 raise ValueError(f"{key} is {getattr(self, key)}; it must be >= 1")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype is {self.dtype!r}; use one of {DTYPES}")
-        if self.sequence_parallel:
-            raise ValueError("sequence_parallel=true is not supported: the local layer spec's torch norms refuse it "
-                             "(it needs TransformerEngine, which is not installed); drop it or set it to false")
         if self.override_transformer_config:
             import dataclasses
 

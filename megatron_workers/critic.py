@@ -8,8 +8,9 @@ sampled, as in verl's critic.
 
 Where it departs from verl's Megatron critic: the head is a plain linear layer replicated on
 every TP rank rather than a column-parallel layer with output size 1 (which cannot be split);
-its input (after the final norm) is already complete on every TP rank, so its gradient is
-identical on all of them and needs no reduction. It is initialised from a seeded generator
+its input (after the final norm) is complete on every TP rank (gathered first under sequence
+parallelism, each rank's backward keeping its own slice), so its gradient is identical on all
+of them and needs no reduction. It is initialised from a seeded generator
 (normal, std = the model's `init_method_std`) so every rank and replica starts equal. With
 tied embeddings the head is untied from the word embedding (the critic has no LM head).
 
@@ -25,6 +26,7 @@ from typing import Any, Optional
 import torch
 
 from megatron.core import parallel_state as mpu
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from megatron_workers.runner import Batch, LossFn, MegatronRunner, MicroBatch, validate_batch
 
@@ -39,8 +41,9 @@ _NO_HF_FORM = (
 class ValueHead(torch.nn.Module):
     """`hidden (s, b, h) -> values (s, b, 1)`, called like Megatron's output layer."""
 
-    def __init__(self, hidden_size: int, init_std: float, seed: int) -> None:
+    def __init__(self, hidden_size: int, init_std: float, seed: int, sequence_parallel: bool) -> None:
         super().__init__()
+        self.sequence_parallel = sequence_parallel  # the input is this TP rank's slice of the sequence
         self.linear = torch.nn.Linear(hidden_size, 1)
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -48,6 +51,8 @@ class ValueHead(torch.nn.Module):
             self.linear.bias.zero_()
 
     def forward(self, hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None):
+        if self.sequence_parallel:  # (s/tp, b, h) -> (s, b, h); backward: this rank's slice, not a sum over ranks
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return self.linear(hidden), None
 
 
@@ -62,7 +67,7 @@ class MegatronCritic(MegatronRunner):
         if mpu.is_pipeline_last_stage():
             device = next(module.parameters()).device
             module.output_layer = ValueHead(
-                module.config.hidden_size, module.config.init_method_std, self.head_seed
+                module.config.hidden_size, module.config.init_method_std, self.head_seed, module.config.sequence_parallel
             ).to(device=device, dtype=module.config.params_dtype)
         return module
 

@@ -28,6 +28,7 @@ from megatron_workers.attention import PackedAttention
 try:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 except OSError as exc:  # megatron-core's attention imports flash_mla, which needs libcuda
     raise ImportError(
         f"megatron-core's GPT model could not be imported ({exc}); on a machine without a GPU call "
@@ -100,17 +101,23 @@ def build_gpt_model(
 
     Needs `parallel.init_distributed` first. Uses Megatron's local layer spec (no TransformerEngine)
     with `attention.PackedAttention` as its core attention: the model takes packed sequences
-    (`packing.pack`, `attention.packed_seq_params`) and no attention mask.
+    (`packing.pack`, `attention.packed_seq_params`) and no attention mask. Its norms are `RMSNorm`, so
+    `sequence_parallel=True` (an override) runs too.
     """
     shape = read_decoder_shape(hf_config)
     overrides.setdefault("tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size())
     overrides.setdefault("pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size())
     config = hf_to_transformer_config(hf_config, **overrides)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm)
-    spec.submodules.self_attention.submodules.core_attention = PackedAttention
+    layer, attn = spec.submodules, spec.submodules.self_attention.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+    if shape.qk_norm:
+        attn.q_layernorm = attn.k_layernorm = RMSNorm
+    attn.core_attention = PackedAttention
+    block = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=RMSNorm)
     return GPTModel(
         config=config,
-        transformer_layer_spec=spec,
+        transformer_layer_spec=block,
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage() if pre_process is None else pre_process,
@@ -120,6 +127,18 @@ def build_gpt_model(
         rotary_percent=1.0,
         rotary_base=shape.rope_theta,
     )
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm built the way Megatron builds a norm (the local spec's own refuses sequence parallelism).
+
+    With sequence parallelism each TP rank normalises its own slice of the sequence, so the weight is marked
+    `sequence_parallel` and Megatron's `finalize_model_grads` sums its gradient over the TP group.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
 
 
 def load_hf_checkpoint(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:

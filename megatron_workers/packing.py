@@ -20,9 +20,9 @@ __all__ = ["Pack", "pack"]
 class Pack:
     """One micro-batch's real tokens, packed."""
 
-    ids: torch.Tensor  # (1, t) token ids
+    ids: torch.Tensor  # (1, t) token ids (t: the real tokens, and any padding to `multiple`)
     positions: torch.Tensor  # (1, t) position within each sequence
-    cu_seqlens: torch.Tensor  # (b + 1,) int32, sequence i is [cu[i], cu[i+1])
+    cu_seqlens: torch.Tensor  # (b + 1,) int32, sequence i is [cu[i], cu[i+1]); (b + 2,) with padding
     max_seqlen: int  # longest sequence
     index: torch.Tensor  # (b, S) long: place in the pack of each real token, -1 on padding
 
@@ -32,15 +32,26 @@ class Pack:
                 "cu_seqlens": self.cu_seqlens, "pack_index": self.index}
 
 
-def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Pack:
-    """Pack the real tokens of `input_ids (b, S)` (where `attention_mask (b, S)` is 1), row by row."""
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, multiple: int = 1) -> Pack:
+    """Pack the real tokens of `input_ids (b, S)` (where `attention_mask (b, S)` is 1), row by row.
+
+    `multiple` > 1 (sequence parallelism splits the pack over the TP ranks) pads the pack to a multiple of it
+    with a last sequence of token 0 that no row's `index` points to.
+    """
     real = attention_mask.bool()  # (b, S)
     lengths = real.sum(dim=1)  # (b,)
+    t = int(lengths.sum())
+    pad = -t % multiple
+    if pad:
+        lengths = torch.cat([lengths, torch.tensor([pad])])
     cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu_seqlens[1:] = torch.cumsum(lengths, dim=0)
-    t = int(cu_seqlens[-1])
     index = torch.full(real.shape, -1, dtype=torch.long)  # (b, S)
     index[real] = torch.arange(t)  # row-major: row i's tokens fill [cu[i], cu[i+1]) in order
     positions = (torch.cumsum(real.long(), dim=1) - 1)[real]  # (t,)
-    return Pack(ids=input_ids[real].unsqueeze(0), positions=positions.unsqueeze(0), cu_seqlens=cu_seqlens,
+    ids = input_ids[real]  # (t,)
+    if pad:
+        ids = torch.cat([ids, ids.new_zeros(pad)])
+        positions = torch.cat([positions, torch.arange(pad)])
+    return Pack(ids=ids.unsqueeze(0), positions=positions.unsqueeze(0), cu_seqlens=cu_seqlens,
                 max_seqlen=int(lengths.max()) if len(lengths) else 0, index=index)

@@ -129,7 +129,7 @@ class MicroBatch:
 
     @property
     def tokens(self) -> int:
-        """Real tokens: what the model computes."""
+        """What the model computes: the real tokens (and the padding to the sequence-parallel multiple)."""
         return int(self.pack.cu_seqlens[-1])
 
     def device_batch(self) -> Batch:
@@ -144,16 +144,18 @@ class MicroBatch:
                 "cu_seqlens": self.pack.cu_seqlens, "response_index": response_index}
 
 
-def _make_micro_batch(batch: Batch, rows: torch.Tensor) -> MicroBatch:
+def _make_micro_batch(batch: Batch, rows: torch.Tensor, multiple: int) -> MicroBatch:
     tensors = {k: v.index_select(0, rows) for k, v in batch.items()}
-    return MicroBatch(rows=rows, tensors=tensors, pack=packing.pack(tensors["input_ids"], tensors["attention_mask"]))
+    return MicroBatch(rows=rows, tensors=tensors,
+                      pack=packing.pack(tensors["input_ids"], tensors["attention_mask"], multiple))
 
 
-def split_micro_batches(batch: Batch, cfg: WorkerConfig, forward_only: bool = False) -> list[MicroBatch]:
+def split_micro_batches(batch: Batch, cfg: WorkerConfig, forward_only: bool = False,
+                        multiple: int = 1) -> list[MicroBatch]:
     """Fixed-size micro-batches in order, or (use_dynamic_bsz) rows packed first-fit by decreasing
     length so that each micro-batch's real tokens stay within `ppo_max_token_len_per_gpu` (a longer
     single row gets its own). `forward_only` passes (log-probs, values) use the `log_prob_*` sizes
-    where they are set."""
+    where they are set. Each pack is padded to a multiple of `multiple` (the TP size under sequence parallelism)."""
     B = batch["input_ids"].shape[0]
     size, dynamic, max_tokens = cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
     if forward_only:
@@ -161,7 +163,7 @@ def split_micro_batches(batch: Batch, cfg: WorkerConfig, forward_only: bool = Fa
         dynamic = dynamic if cfg.log_prob_use_dynamic_bsz is None else cfg.log_prob_use_dynamic_bsz
         max_tokens = cfg.log_prob_max_token_len_per_gpu or max_tokens
     if not dynamic:
-        return [_make_micro_batch(batch, torch.arange(i, min(i + size, B))) for i in range(0, B, size)]
+        return [_make_micro_batch(batch, torch.arange(i, min(i + size, B)), multiple) for i in range(0, B, size)]
     lengths = batch["attention_mask"].sum(dim=1).tolist()
     packs: list[list[int]] = []
     loads: list[int] = []
@@ -173,7 +175,7 @@ def split_micro_batches(batch: Batch, cfg: WorkerConfig, forward_only: bool = Fa
         else:
             packs[fit].append(i)
             loads[fit] += lengths[i]
-    return [_make_micro_batch(batch, torch.tensor(sorted(p))) for p in packs]
+    return [_make_micro_batch(batch, torch.tensor(sorted(p)), multiple) for p in packs]
 
 
 def _scatter_rows(chunks: list[tuple[torch.Tensor, torch.Tensor]], B: int, T: int) -> torch.Tensor:
@@ -233,10 +235,12 @@ class MegatronRunner:
         return getattr(torch, self.cfg.megatron.dtype)
 
     def _build_model(self, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        sp = self.cfg.megatron.sequence_parallel and mpu.get_tensor_model_parallel_world_size() > 1
         module = mmodel.build_gpt_model(
             self.hf_config, params_dtype=self.params_dtype,
             calculate_per_token_loss=True,  # the schedule sums the callers' loss contributions
-            **self.cfg.megatron.override_transformer_config,  # verl's TransformerConfig passthrough
+            **{"sequence_parallel": sp,
+               **self.cfg.megatron.override_transformer_config},  # verl's TransformerConfig passthrough
         )
         # Micro-batches carry their own window length; set after construction because
         # TransformerConfig's MoE checks refuse it at init even for dense models.
@@ -318,6 +322,12 @@ class MegatronRunner:
                     yield from (v for v in state.values() if torch.is_tensor(v))
 
     @property
+    def _pack_multiple(self) -> int:
+        """Sequence parallelism splits each pack over the TP ranks: its length must divide evenly."""
+        config = self.module.config
+        return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+    @property
     def _device(self) -> torch.device:
         return torch.device(torch.cuda.current_device())  # a GPU index, or the CPU adapter's device
 
@@ -362,7 +372,7 @@ class MegatronRunner:
         complete on the last pipeline stage (other stages return an empty dict)."""
         validate_batch(batch)
         records = self._forward_backward(
-            split_micro_batches(batch, self.cfg, forward_only=True),
+            split_micro_batches(batch, self.cfg, forward_only=True, multiple=self._pack_multiple),
             lambda mb, dev, head: (head[keys[0]].new_zeros(()),
                                    {"rows": mb.rows, **device_check.to_host({k: head[k] for k in keys})}),  # the seam, outbound
             forward_only=True,
@@ -394,7 +404,8 @@ class MegatronRunner:
                 for chunk in self.model:
                     chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
-                records = self._forward_backward(split_micro_batches(mini, self.cfg), on_outputs, forward_only=False)
+                records = self._forward_backward(split_micro_batches(mini, self.cfg, multiple=self._pack_multiple), on_outputs,
+                                                 forward_only=False)
                 self._check_finite_grads(i)
                 lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
                 _, grad_norm, _ = self.optimizer.step()

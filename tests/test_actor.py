@@ -273,7 +273,7 @@ def hf_values(model_dir: Path, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     std = hf_to_transformer_config(model.config).init_method_std
-    head = ValueHead(model.config.hidden_size, std, MegatronCritic.head_seed)
+    head = ValueHead(model.config.hidden_size, std, MegatronCritic.head_seed, sequence_parallel=False)
     T = batch["responses"].shape[1]
     with torch.no_grad():
         hidden = model.model(
@@ -352,44 +352,49 @@ def test_sft_update_matches_plain_pytorch_adamw(groups, tiny_model_dir):
 
 def with_grad_probe(role_cls: type) -> type:
     """`role_cls` plus two probes: this rank's gradients after an update (Megatron's grad buffers, which only the
-    next update zeroes) and the recompute fields its model was built with."""
+    next update zeroes) and the sequence-parallel and recompute fields its model was built with."""
 
     class Probe(role_cls):
         def grads(self) -> dict[str, torch.Tensor]:
             return {n: p.main_grad.detach().clone() for n, p in self.module.named_parameters()}
 
-        def recompute(self) -> tuple:
+        def memory_features(self) -> tuple:
             c = self.module.config
-            return c.recompute_granularity, c.recompute_method, c.recompute_num_layers
+            return c.sequence_parallel, c.recompute_granularity, c.recompute_method, c.recompute_num_layers
 
     return Probe
 
 
 @pytest.mark.integration
-def test_activation_recompute_gives_the_same_loss_and_gradients(groups, tiny_model_dir):
-    """Contract: Megatron's full activation recompute (what verl's enable_gradient_checkpointing and
-    override_transformer_config.recompute_granularity=full both become: tests/test_verl_launch.py) runs on CPU + gloo
-    at TP=2, its RNG-state calls adapted by cpu_compat, and changes nothing but memory: the actor's PPO loss and
-    every gradient on every rank equal those without recompute within 1e-6 (fp32)."""
+def test_sequence_parallel_and_recompute_give_the_same_loss_and_gradients(groups, tiny_model_dir):
+    """Contract: sequence parallelism (verl's default at TP > 1; our RMSNorm in the local spec, its weight gradient
+    summed over TP) and Megatron's full activation recompute (what verl's enable_gradient_checkpointing and
+    override_transformer_config.recompute_granularity=full both become: tests/test_verl_launch.py), alone and
+    together, run on CPU + gloo at TP=2 and change nothing but memory: the actor's PPO loss and every gradient on
+    every rank equal plain TP=2's within 1e-6 (fp32). Odd-length packs get padded to the TP multiple."""
     from megatron_workers.actor import MegatronActor
     from megatron_workers.config import FULL_RECOMPUTE, MegatronConfig
 
     batch = ppo_batch(tiny_model_dir, seed=11)
+    assert int(batch["attention_mask"][:3].sum()) % 2 == 1, "the test wants an odd number of tokens in a pack"
     group = groups(2, 1)
     runs = {}
-    for recompute in (False, True):
+    for sp, recompute in ((False, False), (True, False), (False, True), (True, True)):
         overrides = {"recompute_granularity": "full"} if recompute else {}
-        build_actor(group, tiny_model_dir, role_cls=with_grad_probe(MegatronActor), ppo_micro_batch_size_per_gpu=4,
-                    megatron=MegatronConfig(dtype="float32", override_transformer_config=overrides))
-        assert group.call_all("recompute") == [tuple(FULL_RECOMPUTE.values()) if recompute else (None,) * 3] * 2
-        runs[recompute] = update(group, batch, mini_batch_size=8), group.call_all("grads")
-    (plain, plain_grads), (recomputed, recomputed_grads) = runs[False], runs[True]
+        build_actor(group, tiny_model_dir, role_cls=with_grad_probe(MegatronActor), ppo_micro_batch_size_per_gpu=3,
+                    megatron=MegatronConfig(dtype="float32", sequence_parallel=sp, override_transformer_config=overrides))
+        expected = (sp, *(FULL_RECOMPUTE.values() if recompute else (None,) * 3))
+        assert group.call_all("memory_features") == [expected] * 2
+        runs[sp, recompute] = update(group, batch, mini_batch_size=8), group.call_all("grads")
+    plain, plain_grads = runs.pop((False, False))
     assert plain["actor/grad_norm"] > 0
-    assert recomputed["actor/pg_loss"] == pytest.approx(plain["actor/pg_loss"], abs=1e-6)
-    for rank_plain, rank_recomputed in zip(plain_grads, recomputed_grads):
-        assert rank_plain.keys() == rank_recomputed.keys()
-        for name, grad in rank_plain.items():
-            torch.testing.assert_close(rank_recomputed[name], grad, rtol=0, atol=1e-6, msg=f"rank gradient {name}")
+    for (sp, recompute), (metrics, grads) in runs.items():
+        assert metrics["actor/pg_loss"] == pytest.approx(plain["actor/pg_loss"], abs=1e-6)
+        for rank_plain, rank_other in zip(plain_grads, grads):
+            assert rank_plain.keys() == rank_other.keys()
+            for name, grad in rank_plain.items():
+                torch.testing.assert_close(rank_other[name], grad, rtol=0, atol=1e-6,
+                                           msg=f"sp={sp} recompute={recompute}: gradient {name}")
 
 
 @pytest.mark.integration

@@ -26,6 +26,19 @@ def test_pack_keeps_real_tokens_in_order_with_positions_per_sequence():
     assert (p.ids[0][p.index[mask.bool()]] == ids[mask.bool()]).all()
 
 
+def test_pack_pads_to_the_sequence_parallel_multiple_with_a_sequence_of_its_own():
+    """Contract: with `multiple` (the TP size under sequence parallelism) the pack's length is a multiple of it; the
+    padding is one last sequence of token 0 with its own positions, and no row's index points into it."""
+    ids = torch.tensor([[0, 0, 5, 6, 7, 0], [1, 2, 3, 4, 0, 0], [0, 9, 8, 0, 0, 0]])  # (3, 6), 9 real tokens
+    mask = (ids > 0).long()
+    p = pack(ids, mask, multiple=4)
+    assert p.ids.tolist() == [[5, 6, 7, 1, 2, 3, 4, 9, 8, 0, 0, 0]]
+    assert p.cu_seqlens.tolist() == [0, 3, 7, 9, 12]
+    assert p.positions.tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 1, 0, 1, 2]]
+    assert p.index.max() == 8 and torch.equal(p.index, pack(ids, mask).index)
+    assert pack(ids[:2], mask[:2], multiple=7).cu_seqlens.tolist() == [0, 3, 7]  # 7 tokens: no padding
+
+
 def dense_reference(q, k, v, cu, scale):
     """Causal attention per segment with explicit scores and GQA by repetition: `(t, h, d)`."""
     groups = q.shape[1] // k.shape[1]

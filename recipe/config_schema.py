@@ -380,6 +380,27 @@ class RolloutPoolConfig:
                 raise ConfigError(f"rollout.{key} is {getattr(self, key)}; it must be >= 1 (or null)")
 
 
+SCHEDULES = ("sync", "one_step_off")
+
+
+@dataclass
+class AsyncTrainingConfig:
+    """`async_training.*`: whether rollout and training overlap (recipe.trainer `fit`)."""
+
+    schedule: str = "sync"
+    """sync: each step rolls out, trains, then syncs the weights, so every trained token was sampled by the weights
+    it trains from. one_step_off: step k+1's rollout runs while step k trains, on the weights before step k's update
+    (every trained token at most one version behind; the engines need their own pool:
+    actor_rollout_ref.hybrid_engine=false)."""
+
+    def __post_init__(self) -> None:
+        if self.schedule == "fully_async":
+            raise ConfigError("async_training.schedule=fully_async is not built yet (no streaming rollouter or partial "
+                              "rollouts); use async_training.schedule=one_step_off to overlap rollout and training")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"async_training.schedule={self.schedule!r}; use one of {', '.join(SCHEDULES)}")
+
+
 @dataclass
 class RayInitConfig:
     """`ray_init.*`: the local Ray cluster."""
@@ -410,6 +431,8 @@ class PPOConfig:
     """`trainer.*`."""
     rollout: RolloutPoolConfig = field(default_factory=RolloutPoolConfig)
     """`rollout.*`."""
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    """`async_training.*`."""
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
     """`ray_init.*`."""
 
@@ -418,6 +441,10 @@ class PPOConfig:
         if (t.test_freq > 0 or t.log_val_generations or t.validation_data_dir) and not self.data.val_files:
             raise ConfigError("trainer.test_freq / log_val_generations / validation_data_dir ask for validation but "
                               "data.val_files is empty; set data.val_files=[path/to/test.parquet] or drop them")
+        if self.async_training.schedule == "one_step_off" and self.actor_rollout_ref.hybrid_engine:
+            raise ConfigError("async_training.schedule=one_step_off rolls out while the trainer trains, so the engines "
+                              "need GPUs of their own: set actor_rollout_ref.hybrid_engine=false with rollout.nnodes "
+                              "and rollout.n_gpus_per_node (their pool)")
         if t.critic_warmup > 1 and not self.use_critic:
             raise ConfigError(f"trainer.critic_warmup={t.critic_warmup} warms up a critic, and "
                               f"algorithm.adv_estimator={self.algorithm.adv_estimator} has none: its first "

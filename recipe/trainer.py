@@ -34,6 +34,13 @@ Where it departs from verl's `RayPPOTrainer.fit`:
   A step with more than `trainer.max_failed_fraction` of its trajectories in error, or none
   trainable, is not trained on; `trainer.max_failed_steps` such steps in a row stop the run.
   `fault/*` metrics count restarts, retries and skipped steps since the process started.
+- Schedules (`async_training.schedule`): `sync` is the step above. `one_step_off` rolls out step k+1's prompts in
+  a background thread (on the trainer's event loop) while step k computes log-probs and updates; the weight sync
+  waits for that rollout, so each step trains on tokens sampled one weight version behind the actor (the first step
+  excepted), and the engines never idle while Megatron trains. Every trained token is checked against the
+  schedule's bound (`recipe.schedules`; a trajectory past it is dropped and counted), `rollout/staleness/*` and
+  `perf/{engine,trainer}_busy_fraction` say how it went, and a checkpoint keeps the rollout done ahead, so a
+  resumed run trains on what the uninterrupted one would have.
 - ReMax's baseline is a greedy rollout of each prompt through the same agent loop (tools and
   interactions included), rewarded like the samples; it is not trained on.
 - `trainer.critic_warmup` is verl's: the actor is updated from step `critic_warmup` on (verl's
@@ -49,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -77,6 +85,7 @@ from recipe.config_schema import PPOConfig
 from recipe.data.dataset import PromptBatch
 from recipe.flops import MFU
 from recipe.reward import RewardFn, RewardTerms, policy_text
+from recipe.schedules import RolloutAhead, within_staleness
 from recipe.tracking import Tracking
 from recipe.validation import TABLE_COLUMNS, Validator, trajectory_records, write_jsonl
 from rollout.agent_loop import AgentLoop, RolloutPrompt, rollout_metrics
@@ -86,6 +95,20 @@ from rollout.trajectory import FinishReason, Trajectory
 logger = logging.getLogger(__name__)
 
 Batch = dict[str, torch.Tensor]
+
+
+ROLLOUT_AHEAD = "rollout_ahead.pkl"  # in a one_step_off checkpoint: the next step's rollout (a pickled Collected)
+
+
+@dataclass
+class Collected:
+    """One step's rollout, ready to train on."""
+
+    rolled: list[Trajectory]  # everything rolled out (under dynamic sampling: every prompt batch)
+    trajs: list[Trajectory]  # what the step trains on: trainable, in kept groups, a multiple of the batch split
+    metrics: dict[str, float]  # rollout metrics and timings (timing/rollout_s, ...)
+    ahead: bool = False  # rolled out in the background while the previous step trained (one_step_off)
+    baselines: torch.Tensor | None = None  # (len(trajs),) ReMax: each sample's prompt rolled out greedily, rewarded
 
 
 class RunFailed(RuntimeError):
@@ -202,22 +225,53 @@ class Trainer:
         self.failed_steps_in_row = 0  # steps in a row that trained nothing
         self._fatal: RunFailed | None = None  # an engine died with no restart left: raised once the rollout ends
         self._aborting: asyncio.Future | None = None
+        self._ahead: Collected | None = None  # the next step's rollout, done (one_step_off; saved in checkpoints)
         agent_loop.router.on_dead = self._engine_died
 
     def fit(self, batches: Iterator[PromptBatch]) -> None:
         """Run the configured number of steps (step numbers start at 1), from the step after `global_step` (set by
-        `resume`); a checkpoint every `trainer.save_freq` steps and after the last one."""
+        `resume`); a checkpoint every `trainer.save_freq` steps and after the last one.
+
+        `async_training.schedule=one_step_off`: while step k trains, a background thread rolls out step k+1's prompts
+        on the engines (which still hold the weights before step k's update); the weight sync waits for that rollout,
+        which step k+1 then trains on."""
         t = self.cfg.trainer
+        one_step_off = self.cfg.async_training.schedule == "one_step_off"
         if self.validator is not None and t.val_before_train:
             self.validate(self.global_step)
-        for step in tqdm(range(self.global_step + 1, self.total_steps + 1), desc="training", unit="step",
-                         initial=self.global_step, total=self.total_steps, disable=None):  # None: off unless a tty
-            self.step(self._next_batch(batches), step, more=lambda: self._next_batch(batches))
-            self.global_step = step
-            if self.validator is not None and t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps):
-                self.validate(step)
-            if t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps):
-                self.save_checkpoint()
+
+        def more() -> PromptBatch:
+            return self._next_batch(batches)
+
+        ahead = RolloutAhead()
+        try:
+            for step in tqdm(range(self.global_step + 1, self.total_steps + 1), desc="training", unit="step",
+                             initial=self.global_step, total=self.total_steps, disable=None):  # None: off unless a tty
+                t0 = time.monotonic()
+                collected, self._ahead = self._ahead or self._collect(more(), step, more), None
+                if one_step_off and step < self.total_steps:
+                    ahead.start(self._collect, more(), step + 1, more, ahead=True)
+                try:
+                    self._train(collected, step, t0, ahead=ahead)
+                    if ahead.pending:  # a skipped step syncs nothing: join here
+                        self._join(ahead)
+                except BaseException:
+                    ahead.abort(self.agent_loop, self._loop)
+                    raise
+                self.global_step = step
+                if self.validator is not None and t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps):
+                    self.validate(step)
+                if t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps):
+                    self.save_checkpoint()
+        finally:
+            ahead.close()
+
+    def _join(self, ahead: RolloutAhead) -> Collected:
+        """Wait for the rollout ahead (one_step_off), then probe the engines and restart the dead ones (which the
+        background rollout leaves to this thread: a restart syncs weights from the actor)."""
+        self._ahead = ahead.join()
+        self._heal_engines()
+        return self._ahead
 
     def validate(self, step: int) -> dict[str, float]:
         """Roll out and score the validation prompts (nothing trains on them); log their metrics at `step`, a
@@ -253,14 +307,16 @@ class Trainer:
             for name, group in (("actor", self.workers.actor), ("critic", self.workers.critic)):
                 if group is not None:
                     group.call_all("save_checkpoint", str(directory / name))
+            if self._ahead is not None:  # one_step_off: the next step's rollout, done, and its prompts drawn
+                (directory / ROLLOUT_AHEAD).write_bytes(pickle.dumps(self._ahead))
             state.write(directory)
 
         return checkpoint.save(t.default_local_dir, self.global_step, write, t.max_actor_ckpt_to_keep)
 
     def resume(self, directory: str | Path, batches: Iterator[PromptBatch]) -> None:
-        """Continue from checkpoint `directory`: restore the actor (and critic) shards and the trainer state, draw
-        the prompt batches already trained on from `batches`, and sync the engines from the restored actor under
-        the saved weight version, before any rollout."""
+        """Continue from checkpoint `directory`: restore the actor (and critic) shards and the trainer state (with a
+        one_step_off checkpoint, the next step's rollout), draw the prompt batches already consumed from `batches`,
+        and sync the engines from the restored actor under the saved weight version, before any rollout."""
         directory = Path(directory)
         state = checkpoint.TrainerState.read(directory)
         for name, group in (("actor", self.workers.actor), ("critic", self.workers.critic)):
@@ -270,6 +326,8 @@ class Trainer:
                                             "with the algorithm the checkpoint was trained with")
                 group.call_all("load_checkpoint", str(directory / name))
         self.global_step, self.kl_ctrl.value = state.step, state.kl_coef
+        if (directory / ROLLOUT_AHEAD).is_file():  # the next step trains on it, as the uninterrupted run did
+            self._ahead = pickle.loads((directory / ROLLOUT_AHEAD).read_bytes())
         for _ in range(state.batches_consumed):
             self._next_batch(batches)
         if self.epoch != state.epoch:
@@ -281,82 +339,119 @@ class Trainer:
         logger.info("resumed from %s: step %d, weight version %d", directory, self.global_step, self.weight_version)
 
     def step(self, prompts: PromptBatch, step: int, more: Callable[[], PromptBatch] | None = None) -> dict[str, float]:
-        """One RL step; returns (and logs) its metrics. `more` draws the next prompt batch (dynamic sampling)."""
+        """One synchronous RL step; returns (and logs) its metrics. `more` draws the next prompt batch (dynamic
+        sampling)."""
+        t0 = time.monotonic()
+        return self._train(self._collect(prompts, step, more), step, t0)
+
+    def _collect(self, prompts: PromptBatch, step: int, more: Callable[[], PromptBatch] | None,
+                 ahead: bool = False) -> Collected:
+        """Step `step`'s rollout: `prompts` rolled out (and more batches under dynamic sampling), the trajectories to
+        train on, ReMax's greedy baselines. `ahead` (one_step_off's rollout in its own thread while the previous step
+        trains) leaves restarting dead engines to the trainer's thread (`_join`)."""
+        heal = not ahead
         timer, algo = Timer(), self.cfg.algorithm
-        with timer("step"):
-            with timer("rollout"):
-                rolled = self._rollout(prompts.prompts, seed=self._rollout_seed(step),
-                                       over_sample_rate=self.cfg.actor_rollout_ref.rollout.over_sample_rate)
-                kept, filter_m = rolled, {}
-                if algo.filter_groups.enable:
-                    rolled, kept, filter_m = self._filter_groups(rolled, step, more)
-            rollout_m = {**rollout_metrics(rolled), **self.agent_loop.instance_metrics(), **filter_m}
-            rollout_m["fault/failed_fraction"] = sum(t.finish_reason is FinishReason.ERROR for t in rolled) \
-                / max(len(rolled), 1)
-            trajs = trainable(kept, self.row_multiple)
-            if rollout_m["fault/failed_fraction"] > self.cfg.trainer.max_failed_fraction or not trajs:
-                return self._skip_step(step, rolled, {**rollout_m, **timer.metrics})
-            self.failed_steps_in_row = 0
-            batch = collate(trajs, self.agent_loop.pad_token_id)
-            with timer("reward"):
-                terms = self.reward_fn.terms(trajs)
-                token_rewards = self.reward_fn.token_rewards(terms, batch["response_mask"])  # (B, T)
-            if algo.adv_estimator == "remax":
-                with timer("rollout_greedy"):
-                    batch["reward_baselines"] = self._greedy_baselines(prompts.prompts, trajs)  # (B,)
-            self._engines_memory("release_memory_occupation")  # colocated: the rollout is done, engines free the GPUs
-            self._megatron_memory("onload")
-            with timer("old_log_prob"):
-                batch["old_log_probs"] = self._infer(self.workers.actor, "compute_log_prob", batch)["log_probs"]
-            probs_diff = rollout_probs_diff(batch["old_log_probs"], batch["rollout_logprobs"], batch["response_mask"])
-            if algo.rollout_correction.enabled:
-                batch["rollout_is_weights"], correction_m = rollout_weights(
-                    batch["old_log_probs"], batch["rollout_logprobs"], batch["response_mask"], algo.rollout_correction)
-                probs_diff.update(correction_m)
-            if self.workers.ref is not None:
-                with timer("ref"):
-                    batch["ref_log_probs"] = self._infer(self.workers.ref, "compute_log_prob", batch)["log_probs"]
-            if self.workers.critic is not None:
-                with timer("values"):
-                    batch["values"] = self._infer(self.workers.critic, "compute_values", batch)["values"]
-            kl_metrics = {}
-            if algo.use_kl_in_reward:
-                token_rewards, kl_metrics = apply_kl_penalty(token_rewards, batch["old_log_probs"], batch["ref_log_probs"],
-                                                             batch["response_mask"], self.kl_ctrl, algo.kl_penalty)
-            with timer("adv"):
-                batch["advantages"], batch["returns"] = compute_advantage(AdvantageInputs(
-                    token_rewards, batch["response_mask"], index=[t.prompt_uid for t in trajs],
-                    values=batch.get("values"), reward_baselines=batch.get("reward_baselines")), algo)
-            critic_metrics = {}
-            if self.workers.critic is not None:
-                with timer("update_critic"):
-                    critic_batch = {**batch, "old_values": batch["values"]}
-                    critic_metrics = self.workers.critic.dispatch(
-                        "update_critic", critic_batch, mini_batches=self.critic_mini_batches, loss_fn=self.value_loss_fn)[0]
-            actor_metrics, sync_metrics = {}, {}
-            update_actor = self.cfg.trainer.critic_warmup <= step  # verl's warm-up: before it, the critic only
-            if update_actor:
-                with timer("update_actor"):
-                    actor_metrics = self.workers.actor.dispatch(
-                        "update_policy", batch, mini_batches=self.actor_mini_batches, loss_fn=self.policy_loss_fn)[0]
-            self._megatron_memory("offload")
-            self._engines_memory("resume_memory_occupation", tags=["weights"])
-            if update_actor:  # unchanged weights are not synced again
-                with timer("sync_weights"):
-                    sync_metrics = self.sync_weights()
-            self._engines_memory("resume_memory_occupation", tags=["kv_cache", "cuda_graph"])
+        over_sample_rate = self.cfg.actor_rollout_ref.rollout.over_sample_rate
+        with timer("rollout"):
+            rolled = self._rollout(prompts.prompts, seed=self._rollout_seed(step), over_sample_rate=over_sample_rate,
+                                   heal=heal)
+            kept, filter_m = rolled, {}
+            if algo.filter_groups.enable:
+                rolled, kept, filter_m = self._filter_groups(rolled, step, more, heal)
+        metrics = {**rollout_metrics(rolled), **self.agent_loop.instance_metrics(), **filter_m}
+        metrics["fault/failed_fraction"] = sum(t.finish_reason is FinishReason.ERROR for t in rolled) / max(len(rolled), 1)
+        collected = Collected(rolled, trainable(kept, self.row_multiple), metrics, ahead=ahead)
+        if algo.adv_estimator == "remax" and self._trains(collected):
+            with timer("rollout_greedy"):
+                collected.baselines = self._greedy_baselines(prompts.prompts, collected.trajs, heal)
+        metrics.update(timer.metrics)
+        return collected
+
+    def _trains(self, collected: Collected) -> bool:
+        """Whether a step trains on this rollout: some trajectory to train on, and not too many failed."""
+        return bool(collected.trajs) and \
+            collected.metrics["fault/failed_fraction"] <= self.cfg.trainer.max_failed_fraction
+
+    def _train(self, collected: Collected, step: int, t0: float, ahead: RolloutAhead | None = None) -> dict[str, float]:
+        """The rest of step `step` on its rollout (started at `t0`): rewards, log-probs, advantages, updates, weight
+        sync (after joining the rollout `ahead`, one_step_off), metrics; returns (and logs) them."""
+        timer, algo = Timer(), self.cfg.algorithm
+        rolled, rollout_m = collected.rolled, collected.metrics
+        trajs, stale_m = within_staleness(collected.trajs, self.weight_version, self.cfg.async_training.schedule,
+                                          self.row_multiple)
+        if not trajs or not self._trains(collected):
+            return self._skip_step(step, rolled, {**rollout_m, **stale_m, "timing/step_s": time.monotonic() - t0})
+        self.failed_steps_in_row = 0
+        batch = collate(trajs, self.agent_loop.pad_token_id)
+        with timer("reward"):
+            terms = self.reward_fn.terms(trajs)
+            token_rewards = self.reward_fn.token_rewards(terms, batch["response_mask"])  # (B, T)
+        if collected.baselines is not None:
+            kept_uids = {t.uid for t in trajs}
+            batch["reward_baselines"] = collected.baselines[torch.tensor(
+                [t.uid in kept_uids for t in collected.trajs])]  # (B,)
+        self._engines_memory("release_memory_occupation")  # colocated: the rollout is done, engines free the GPUs
+        self._megatron_memory("onload")
+        with timer("old_log_prob"):
+            batch["old_log_probs"] = self._infer(self.workers.actor, "compute_log_prob", batch)["log_probs"]
+        probs_diff = rollout_probs_diff(batch["old_log_probs"], batch["rollout_logprobs"], batch["response_mask"])
+        if algo.rollout_correction.enabled:
+            batch["rollout_is_weights"], correction_m = rollout_weights(
+                batch["old_log_probs"], batch["rollout_logprobs"], batch["response_mask"], algo.rollout_correction)
+            probs_diff.update(correction_m)
+        if self.workers.ref is not None:
+            with timer("ref"):
+                batch["ref_log_probs"] = self._infer(self.workers.ref, "compute_log_prob", batch)["log_probs"]
+        if self.workers.critic is not None:
+            with timer("values"):
+                batch["values"] = self._infer(self.workers.critic, "compute_values", batch)["values"]
+        kl_metrics = {}
+        if algo.use_kl_in_reward:
+            token_rewards, kl_metrics = apply_kl_penalty(token_rewards, batch["old_log_probs"], batch["ref_log_probs"],
+                                                         batch["response_mask"], self.kl_ctrl, algo.kl_penalty)
+        with timer("adv"):
+            batch["advantages"], batch["returns"] = compute_advantage(AdvantageInputs(
+                token_rewards, batch["response_mask"], index=[t.prompt_uid for t in trajs],
+                values=batch.get("values"), reward_baselines=batch.get("reward_baselines")), algo)
+        critic_metrics = {}
+        if self.workers.critic is not None:
+            with timer("update_critic"):
+                critic_batch = {**batch, "old_values": batch["values"]}
+                critic_metrics = self.workers.critic.dispatch(
+                    "update_critic", critic_batch, mini_batches=self.critic_mini_batches, loss_fn=self.value_loss_fn)[0]
+        actor_metrics, sync_metrics = {}, {}
+        update_actor = self.cfg.trainer.critic_warmup <= step  # verl's warm-up: before it, the critic only
+        if update_actor:
+            with timer("update_actor"):
+                actor_metrics = self.workers.actor.dispatch(
+                    "update_policy", batch, mini_batches=self.actor_mini_batches, loss_fn=self.policy_loss_fn)[0]
+        self._megatron_memory("offload")
+        self._engines_memory("resume_memory_occupation", tags=["weights"])
+        own_rollout_s = 0.0 if collected.ahead else rollout_m["timing/rollout_s"]  # rolled out in this step's time
+        engines_busy_s = own_rollout_s
+        if ahead is not None and ahead.pending:  # one_step_off: the engines take new weights once it is done
+            with timer("wait_rollout"):
+                engines_busy_s += self._join(ahead).metrics["timing/rollout_s"]
+        if update_actor:  # unchanged weights are not synced again
+            with timer("sync_weights"):
+                sync_metrics = self.sync_weights()
+        self._engines_memory("resume_memory_occupation", tags=["kv_cache", "cuda_graph"])
+        step_s = timer.metrics["timing/step_s"] = time.monotonic() - t0
+        waited_s = own_rollout_s + timer.metrics.get("timing/wait_rollout_s", 0.0)  # the trainer idle meanwhile
         metrics = {**rollout_m, **actor_metrics, **critic_metrics, **kl_metrics, **probs_diff, **sync_metrics,
-                   **timer.metrics, **self.faults, "trainer/actor_updated": float(update_actor),
+                   **timer.metrics, **self.faults, **stale_m, "trainer/actor_updated": float(update_actor),
+                   "perf/engine_busy_fraction": min(engines_busy_s / step_s, 1.0),
+                   "perf/trainer_busy_fraction": 1.0 - min(waited_s / step_s, 1.0),
                    **self._data_metrics(batch, token_rewards, terms, trajs, len(rolled) - len(trajs))}
-        metrics["perf/tokens_per_s"] = float(batch["attention_mask"].sum()) / timer.metrics["timing/step_s"]
-        metrics["perf/time_per_step"] = timer.metrics["timing/step_s"]
+        metrics["perf/tokens_per_s"] = float(batch["attention_mask"].sum()) / step_s
+        metrics["perf/time_per_step"] = step_s
         gpus = self.cfg.trainer.n_gpus_per_node * self.cfg.trainer.nnodes
         metrics["perf/throughput"] = metrics["perf/tokens_per_s"] / gpus  # verl's: tokens per second per GPU
         if self.mfu is not None and update_actor:
             metrics["perf/mfu/actor"] = self.mfu.of_update(batch["attention_mask"].sum(dim=1).tolist(),
                                                            self.cfg.actor_rollout_ref.actor.ppo_epochs,
                                                            timer.metrics["timing/update_actor_s"])
-        metrics["perf/rollout_tokens_per_s"] = rollout_m["rollout/sampled_tokens"] / timer.metrics["timing/rollout_s"]
+        metrics["perf/rollout_tokens_per_s"] = rollout_m["rollout/sampled_tokens"] / rollout_m["timing/rollout_s"]
         self.tracker.log(metrics, step)
         self._log_examples(trajs, terms, step)
         if self.cfg.trainer.rollout_data_dir:
@@ -368,12 +463,13 @@ class Trainer:
     # ---- pieces of a step ----------------------------------------------------------------
 
     def _rollout(self, prompts: list[RolloutPrompt], greedy: bool = False, seed: int | None = None,
-                 over_sample_rate: float = 0.0) -> list[Trajectory]:
-        """The agent loop's rollout of `prompts`, then every engine probed and the dead ones restarted."""
+                 over_sample_rate: float = 0.0, heal: bool = True) -> list[Trajectory]:
+        """The agent loop's rollout of `prompts`, then (`heal`) every engine probed and the dead ones restarted."""
         trajs = self._loop.run_until_complete(rollout_with_timeout(
             self.agent_loop, prompts, self.cfg.trainer.rollout_timeout_s, greedy, seed, over_sample_rate))
         self.faults["fault/retried_trajectories"] += self.agent_loop.retried
-        self._heal_engines()
+        if heal:
+            self._heal_engines()
         return trajs
 
     # ---- faults ------------------------------------------------------------------------
@@ -426,7 +522,8 @@ class Trainer:
         self.faults["fault/skipped_steps"] += 1
         failed = metrics["fault/failed_fraction"]
         reason = (f"{failed:.0%} of its trajectories ended in error (more than trainer.max_failed_fraction="
-                  f"{t.max_failed_fraction})" if failed > t.max_failed_fraction else "no trajectory with a sampled token")
+                  f"{t.max_failed_fraction})" if failed > t.max_failed_fraction else
+                  "no trajectory to train on (none with a sampled token, or all past the staleness bound)")
         errors = [x.error for x in rolled if x.finish_reason is FinishReason.ERROR and x.error]
         logger.warning("step %d: %s; not training on it (%d such step(s) in a row of trainer.max_failed_steps=%d)%s",
                        step, reason, self.failed_steps_in_row, t.max_failed_steps,
@@ -447,7 +544,7 @@ class Trainer:
         return self.cfg.trainer.seed * 1_000_003 + step + gen * 7_777_777
 
     def _filter_groups(self, rolled: list[Trajectory], step: int, more: Callable[[], PromptBatch] | None,
-                       ) -> tuple[list[Trajectory], list[Trajectory], dict[str, float]]:
+                       heal: bool = True) -> tuple[list[Trajectory], list[Trajectory], dict[str, float]]:
         """Dynamic sampling (`algorithm.filter_groups`): keep the groups whose samples differ in the metric, rolling
         out further prompt batches (from `more`) until `data.train_batch_size` groups are kept or
         `max_num_gen_batches` batches were rolled out. Returns (every trajectory rolled out, those of the first
@@ -467,7 +564,7 @@ class Trainer:
             logger.info("step %d: dynamic sampling kept %d of %d groups; rolling out prompt batch %d",
                         step, len(kept), want, gens + 1)
             batch = self._rollout(more().prompts, seed=self._rollout_seed(step, gens),
-                                  over_sample_rate=self.cfg.actor_rollout_ref.rollout.over_sample_rate)
+                                  over_sample_rate=self.cfg.actor_rollout_ref.rollout.over_sample_rate, heal=heal)
             everything += batch
             gens += 1
         metrics = {"rollout/filter_groups/kept_groups": float(min(len(kept), want)),
@@ -495,9 +592,9 @@ class Trainer:
                             "use algorithm.filter_groups.metric=score (or return {'score': ..., 'acc': ...})")
         return terms.extra["acc"]
 
-    def _greedy_baselines(self, prompts: list[RolloutPrompt], trajs: list[Trajectory]) -> torch.Tensor:
+    def _greedy_baselines(self, prompts: list[RolloutPrompt], trajs: list[Trajectory], heal: bool) -> torch.Tensor:
         """(B,) ReMax baselines: each sample's prompt rolled out greedily, its weighted total reward."""
-        greedy = self._rollout(prompts, greedy=True)
+        greedy = self._rollout(prompts, greedy=True, heal=heal)
         totals = self.reward_fn.terms(greedy).totals(self.cfg.reward)  # (P,)
         by_prompt = {t.prompt_uid: float(v) for t, v in zip(greedy, totals)}
         return torch.tensor([by_prompt[t.prompt_uid] for t in trajs], dtype=torch.float32)

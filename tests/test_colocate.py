@@ -6,6 +6,7 @@ real `Trainer.step`; on GPUs the same calls run.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -65,9 +66,11 @@ class FakeEngine:
 class FakeSync:
     def __init__(self, events: list[str]) -> None:
         self.events = events
+        self.version = 0  # the engines' weight version
 
     def sync(self, version: int) -> dict[str, float]:
         self.events.append(f"sync v{version}")
+        self.version = version
         return {"weight_sync/seconds": 0.0}
 
     def close(self) -> None:
@@ -84,7 +87,8 @@ class FakeTokenizer:
 
 
 class FakeAgentLoop:
-    """Returns `n` sampled trajectories per prompt, each answering '#### 4'."""
+    """Returns `n` sampled trajectories per prompt, each answering '#### 4', sampled by the engines' weight version
+    (`engine_version()`)."""
 
     pad_token_id = 0
     codec = SimpleNamespace(tokenizer=FakeTokenizer())
@@ -95,6 +99,7 @@ class FakeAgentLoop:
         self.tools = SimpleNamespace(aclose=self._noop)
         self.retried = 0  # no engine faults here (tests/test_faults.py has them)
         self.router = SimpleNamespace(engines=[], dead={}, on_dead=None, probe=self._probe)
+        self.engine_version: Callable[[], int] = lambda: 0  # make_trainer: the FakeSync's version
 
     async def _noop(self) -> None:
         return None
@@ -111,7 +116,7 @@ class FakeAgentLoop:
             for j in range(self.n):
                 t = Trajectory(uid=f"{p}/{j}", prompt_uid=p, sample_index=j, prompt_ids=[1, 2, 3],
                                data_source="openai/gsm8k", ground_truth="4")
-                t.append_assistant([5, 6, 7 + j], [-0.5, -0.5, -0.5], 0)
+                t.append_assistant([5, 6, 7 + j], [-0.5, -0.5, -0.5], self.engine_version())
                 t.messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "#### 4"}]
                 t.finish(FinishReason.STOP)
                 trajs.append(t)
@@ -145,6 +150,7 @@ def make_trainer(tmp_path: Path, overrides: list[str], colocated: bool,
                       engines=[FakeEngine("engine0", events), FakeEngine("engine1", events)],
                       weight_sync=FakeSync(events), colocated=colocated)
     loop = loop_cls(events, config.actor_rollout_ref.rollout.n)
+    loop.engine_version = lambda: workers.weight_sync.version
     return Trainer(config, workers, loop, FakeTracker()), events
 
 

@@ -7,6 +7,7 @@ relative to its section; the config loader prefixes the section's dotted path.
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 DTYPES = ("bfloat16", "float32")
@@ -98,6 +99,13 @@ class MegatronConfig:
             if unknown:
                 raise ValueError(f"override_transformer_config.{unknown[0]} is not a field of Megatron's "
                                  f"TransformerConfig; see megatron/core/transformer/transformer_config.py")
+        impl = self.override_transformer_config.get("transformer_impl", "local")
+        if impl not in ("local", "transformer_engine"):
+            raise ValueError(f"override_transformer_config.transformer_impl={impl!r}; use local (the default) or "
+                             "transformer_engine")
+        if impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+            raise ValueError("override_transformer_config.transformer_impl=transformer_engine needs TransformerEngine, "
+                             "which is not installed; install a build for this torch and CUDA, or drop the key")
         if self.override_transformer_config.get("recompute_granularity") == "full":
             self.recompute_activations()  # Megatron's full recompute needs a method and a layer count: fill them
 

@@ -80,6 +80,7 @@ def hf_to_transformer_config(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        transformer_impl="local",  # override with "transformer_engine" for Megatron's TE spec (build_gpt_model)
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
@@ -99,22 +100,27 @@ def build_gpt_model(
     """This rank's `GPTModel` stage (TP/PP position from `parallel_state`), randomly initialised;
     fill it with `load_hf_weights`. `overrides` go to `hf_to_transformer_config` (params_dtype too).
 
-    Needs `parallel.init_distributed` first. Uses Megatron's local layer spec (no TransformerEngine)
+    Needs `parallel.init_distributed` first. By default Megatron's local layer spec (no TransformerEngine)
     with `attention.PackedAttention` as its core attention: the model takes packed sequences
     (`packing.pack`, `attention.packed_seq_params`) and no attention mask. Its norms are `RMSNorm`, so
-    `sequence_parallel=True` (an override) runs too.
+    `sequence_parallel=True` (an override) runs too. `transformer_impl="transformer_engine"` (an override)
+    builds Megatron's TransformerEngine spec instead (fused norm+linear, TE's attention over the same packed
+    sequences); it needs TransformerEngine, which this project's CPU install lacks, so that path is untested here.
     """
     shape = read_decoder_shape(hf_config)
     overrides.setdefault("tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size())
     overrides.setdefault("pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size())
     config = hf_to_transformer_config(hf_config, **overrides)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm)
-    layer, attn = spec.submodules, spec.submodules.self_attention.submodules
-    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
-    if shape.qk_norm:
-        attn.q_layernorm = attn.k_layernorm = RMSNorm
-    attn.core_attention = PackedAttention
-    block = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=RMSNorm)
+    if config.transformer_impl == "transformer_engine":
+        spec, norm = _te_spec(shape)
+    else:
+        spec, norm = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=shape.qk_norm), RMSNorm
+        layer, attn = spec.submodules, spec.submodules.self_attention.submodules
+        layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+        if shape.qk_norm:
+            attn.q_layernorm = attn.k_layernorm = RMSNorm
+        attn.core_attention = PackedAttention
+    block = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=norm)
     return GPTModel(
         config=config,
         transformer_layer_spec=block,
@@ -127,6 +133,18 @@ def build_gpt_model(
         rotary_percent=1.0,
         rotary_base=shape.rope_theta,
     )
+
+
+def _te_spec(shape: Any) -> tuple[Any, type]:
+    """Megatron's TransformerEngine layer spec and TE's norm (for the final norm); ValueError without TE."""
+    try:
+        import transformer_engine  # noqa: F401 - Megatron's TE spec silently lacks its classes without it
+        from megatron.core.extensions.transformer_engine import TENorm
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    except ImportError as exc:
+        raise ValueError(f"override_transformer_config.transformer_impl=transformer_engine needs TransformerEngine "
+                         f"({exc}); install a build for this torch and CUDA, or drop the key (local spec)") from exc
+    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm), TENorm
 
 
 class RMSNorm(torch.nn.RMSNorm):

@@ -35,6 +35,12 @@ MISTAKES = [
     ("value of the wrong type", ["data.train_batch_size=four"], "data.train_batch_size='four' has type str"),
     ("override that does not parse", ["data.train_files=[a"], "not a key=value override"),
     ("deleting a key", ["~trainer.seed"], "cannot be deleted"),
+    ("one_step_off with the engines on the trainer's GPUs", ["async_training.schedule=one_step_off"],
+     "set actor_rollout_ref.hybrid_engine=false"),
+    ("a knob of verl's fully async trainer", ["async_training.staleness_threshold=0.5"], "fully async trainer"),
+    ("the TransformerEngine spec without TransformerEngine",
+     ["actor_rollout_ref.actor.megatron.override_transformer_config.transformer_impl=transformer_engine"],
+     "needs TransformerEngine, which is not installed"),
     ("context parallelism", ["actor_rollout_ref.actor.megatron.context_parallel_size=2"],
      "context_parallel_size=2: context parallelism is not supported: splitting a sequence over ranks needs "
      "TransformerEngine's attention"),

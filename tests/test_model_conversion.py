@@ -10,6 +10,7 @@ import torch
 
 from megatron_workers import adapters, check_parity, parallel
 from megatron_workers import model as conversion
+from megatron_workers.adapters.base import local_rules
 from megatron_workers.attention import packed_seq_params
 from megatron_workers.packing import pack
 
@@ -168,6 +169,54 @@ def test_roundtrip_and_logits_single_rank(world_of_one, tmp_path, family, tied):
     ref_logits, _ = check_parity.hf_reference(ckpt, batch)
     valid = batch.attention_mask.bool()
     assert (logits - ref_logits[valid]).abs().max().item() < 1e-4
+
+
+# GPTModel.named_parameters() of a 2-layer Qwen3 (q/k norms, untied head) built from Megatron-Core 0.16's
+# TransformerEngine spec, recorded from the spec's definition (TransformerEngine is not installed here):
+# input_layernorm and pre_mlp_layernorm are IdentityOp, their weights live in TELayerNormColumnParallelLinear
+# (`layer_norm_weight`; RMSNorm has no layer_norm_bias), q/k norms and the final norm are TENorm (`weight`).
+TE_QWEN3_NAMES = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"} | {
+    f"decoder.layers.{i}.{name}" for i in range(2) for name in (
+        "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.weight",
+        "self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight", "self_attention.linear_proj.weight",
+        "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")}
+
+
+def test_te_spec_names_map_onto_the_same_hf_tensors():
+    """Contract: the TransformerEngine spec's parameter names (recorded) are exactly what the adapter plans for a
+    TE-built model, and both layouts map the same HF tensors the same way; only the two pre-norms move."""
+    shape = adapters.read_decoder_shape({**TINY, "num_hidden_layers": 2, "model_type": "qwen3", "head_dim": 32,
+                                         "rope_theta": 1e6, "tie_word_embeddings": False})
+    te, local = local_rules(shape, 0, 1, te=True), local_rules(shape, 0, 1)
+    assert {r.megatron_name for r in te} == TE_QWEN3_NAMES
+    assert [(r.hf_names, r.split) for r in te] == [(r.hf_names, r.split) for r in local]
+    moved = {(a.megatron_name, b.megatron_name) for a, b in zip(local, te) if a.megatron_name != b.megatron_name}
+    assert moved == {(f"decoder.layers.{i}.{a}", f"decoder.layers.{i}.{b}") for i in range(2) for a, b in (
+        ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
+        ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"))}
+
+
+def test_a_model_in_the_te_layout_loads_and_exports_exactly(world_of_one, tmp_path):
+    """Contract: a model whose pre-norm weights sit where the TE spec keeps them (moved there from a local-spec model:
+    TransformerEngine is not installed) is recognised as such, loads every HF tensor into its TE name and exports
+    them back bit-exact."""
+    ckpt = write_hf_checkpoint(tmp_path / "ckpt", tied=False, family="qwen3")
+    hf_config, state = conversion.load_hf_checkpoint(ckpt)
+    gpt = conversion.build_gpt_model(hf_config)
+    for layer in gpt.decoder.layers:  # the TE layout: each pre-norm's weight on the linear layer after it
+        for norm, linear in ((layer.input_layernorm, layer.self_attention.linear_qkv),
+                             (layer.pre_mlp_layernorm, layer.mlp.linear_fc1)):
+            linear.register_parameter("layer_norm_weight", norm.weight)
+            del norm.weight
+            norm.register_parameter("weight", None)
+    assert adapters.is_te_layout(dict(gpt.named_parameters()))
+    adapters.load_hf_weights(gpt, state, hf_config)
+    assert torch.equal(gpt.decoder.layers[1].mlp.linear_fc1.layer_norm_weight,
+                       state["model.layers.1.post_attention_layernorm.weight"])
+    exported = adapters.export_hf_state_dict(gpt, hf_config)
+    assert set(exported) == set(state)
+    for name, tensor in state.items():
+        assert torch.equal(exported[name], tensor), name
 
 
 def test_load_names_missing_tensor_and_wrong_shape(world_of_one, tmp_path):

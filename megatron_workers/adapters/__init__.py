@@ -39,6 +39,7 @@ __all__ = [
     "check_hf_state_dict",
     "export_hf_state_dict",
     "hf_tensor_shapes",
+    "is_te_layout",
     "iter_hf_tensors",
     "iter_stage_hf_tensors",
     "load_hf_weights",
@@ -100,6 +101,11 @@ def _unwrapped_params(
     return dict(gpt.named_parameters())
 
 
+def is_te_layout(params: Mapping[str, torch.nn.Parameter]) -> bool:
+    """Whether the model was built from Megatron's TransformerEngine spec (its pre-norms live in the linear layers)."""
+    return any(name.endswith(".layer_norm_weight") for name in params)
+
+
 def check_hf_state_dict(
     hf_state_dict: Mapping[str, torch.Tensor], hf_config: Any, *, names: Iterable[str] | None = None
 ) -> None:
@@ -127,7 +133,7 @@ def load_hf_weights(model: torch.nn.Module, hf_state_dict: Mapping[str, torch.Te
     shape = read_decoder_shape(hf_config)
     tp, tp_rank, pp, stage = _position()
     params = _unwrapped_params(model, shape, stage, pp)
-    rules = local_rules(shape, stage, pp)
+    rules = local_rules(shape, stage, pp, is_te_layout(params))
     check_hf_state_dict(hf_state_dict, hf_config, names=[n for r in rules for n in r.hf_names])
     unmapped = set(params) - {r.megatron_name for r in rules}
     unbuilt = {r.megatron_name for r in rules} - set(params)
@@ -163,7 +169,7 @@ def iter_hf_tensors(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[st
     hf_shapes = _shape_tensor_shapes(shape)
     pp_ranks = torch.distributed.get_process_group_ranks(pp_group) if pp > 1 else []
     some_param = next(iter(params.values()))
-    for owner, rule in export_plan(shape, pp):
+    for owner, rule in export_plan(shape, pp, is_te_layout(params)):
         if owner == stage:
             local = params[rule.megatron_name].detach()
             if rule.split == "replicated" or tp == 1:
@@ -198,7 +204,7 @@ def iter_stage_hf_tensors(
     params = _unwrapped_params(model, shape, stage, pp)
     receives = dst_tp_rank is None or tp_rank == dst_tp_rank
     dst = None if dst_tp_rank is None else torch.distributed.get_process_group_ranks(tp_group)[dst_tp_rank]
-    for owner, rule in export_plan(shape, pp):
+    for owner, rule in export_plan(shape, pp, is_te_layout(params)):
         if owner != stage:
             continue
         local = params[rule.megatron_name].detach().to(dtype or params[rule.megatron_name].dtype).contiguous()

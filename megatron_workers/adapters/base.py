@@ -13,6 +13,10 @@ How HF tensors map onto Megatron's local-spec GPT layer (`get_gpt_layer_local_sp
   are replicated.
 - With tied embeddings and PP > 1 the last stage holds its own copy of the embedding as
   `output_layer.weight`; it is loaded from `model.embed_tokens.weight` and never exported.
+- Megatron's TransformerEngine spec (`get_gpt_layer_with_transformer_engine_spec`) fuses each
+  layer's two pre-norms into the following linear layer: `input_layernorm.weight` becomes
+  `self_attention.linear_qkv.layer_norm_weight` and `pre_mlp_layernorm.weight` becomes
+  `mlp.linear_fc1.layer_norm_weight` (`te=True` in the plans below); every other name is the same.
 
 Pipeline stages hold equal numbers of layers (`parallel.validate_layout` enforces divisibility).
 """
@@ -165,11 +169,13 @@ def hf_tensor_shapes(s: DecoderShape) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _layer_rules(local: int, layer: int, s: DecoderShape) -> list[Rule]:
+def _layer_rules(local: int, layer: int, s: DecoderShape, te: bool) -> list[Rule]:
     m, p = f"decoder.layers.{local}.", f"model.layers.{layer}."
     qkv = tuple(p + f"self_attn.{x}_proj" for x in "qkv")
+    input_norm = "self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"
+    pre_mlp_norm = "mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"
     rules = [
-        Rule(m + "input_layernorm.weight", (p + "input_layernorm.weight",), "replicated"),
+        Rule(m + input_norm, (p + "input_layernorm.weight",), "replicated"),
         Rule(m + "self_attention.linear_qkv.weight", tuple(n + ".weight" for n in qkv), "qkv"),
     ]
     if s.qkv_bias:
@@ -181,28 +187,29 @@ def _layer_rules(local: int, layer: int, s: DecoderShape) -> list[Rule]:
         ]
     return rules + [
         Rule(m + "self_attention.linear_proj.weight", (p + "self_attn.o_proj.weight",), "dim1"),
-        Rule(m + "pre_mlp_layernorm.weight", (p + "post_attention_layernorm.weight",), "replicated"),
+        Rule(m + pre_mlp_norm, (p + "post_attention_layernorm.weight",), "replicated"),
         Rule(m + "mlp.linear_fc1.weight", (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), "fc1"),
         Rule(m + "mlp.linear_fc2.weight", (p + "mlp.down_proj.weight",), "dim1"),
     ]
 
 
-def export_plan(s: DecoderShape, pp: int) -> list[tuple[int, Rule]]:
-    """(owning pipeline stage, rule) for every exported parameter, in HF order."""
+def export_plan(s: DecoderShape, pp: int, te: bool = False) -> list[tuple[int, Rule]]:
+    """(owning pipeline stage, rule) for every exported parameter, in HF order; `te`: the TransformerEngine
+    spec's names (norms fused into the next linear layer), else the local spec's."""
     per_stage = s.num_layers // pp
     plan = [(0, Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "dim0"))]
     for layer in range(s.num_layers):
         stage = layer // per_stage
-        plan += [(stage, r) for r in _layer_rules(layer - stage * per_stage, layer, s)]
+        plan += [(stage, r) for r in _layer_rules(layer - stage * per_stage, layer, s, te)]
     plan.append((pp - 1, Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated")))
     if not s.tie_word_embeddings:
         plan.append((pp - 1, Rule("output_layer.weight", ("lm_head.weight",), "dim0")))
     return plan
 
 
-def local_rules(s: DecoderShape, stage: int, pp: int) -> list[Rule]:
+def local_rules(s: DecoderShape, stage: int, pp: int, te: bool = False) -> list[Rule]:
     """The rules for the parameters the given pipeline stage holds (tied output copy included)."""
-    rules = [r for owner, r in export_plan(s, pp) if owner == stage]
+    rules = [r for owner, r in export_plan(s, pp, te) if owner == stage]
     if s.tie_word_embeddings and pp > 1 and stage == pp - 1:
         rules.append(Rule("output_layer.weight", ("model.embed_tokens.weight",), "dim0"))
     return rules

@@ -36,11 +36,11 @@ class RegexSteeredEngine:
     Records what the engine returned per trajectory, to check the loop's mask against it.
     """
 
-    def __init__(self, engine: Any, regexes: list[str | None], **extra_params: Any):
+    def __init__(self, engine: Any, regexes: list[str | None], endless: bool = False):
         self.engine = engine
         self.name = f"steered-{engine.name}"
         self.regexes = regexes
-        self.extra_params = extra_params  # more sampling parameters for every request
+        self.endless = endless  # no stop token and EOS ignored: a turn ends only at its token budget
         self.returned: dict[str, list[GenerateResult]] = defaultdict(list)
         self.inputs: dict[str, list[list[int]]] = defaultdict(list)
 
@@ -54,7 +54,10 @@ class RegexSteeredEngine:
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], request_id: str) -> GenerateResult:
         uid, turn = request_id.rsplit("#", 1)
-        params = {**sampling_params, **self.extra_params}
+        params = dict(sampling_params)
+        if self.endless:
+            params.pop("stop_token_ids", None)
+            params["ignore_eos"] = True
         regex = self.regexes[min(int(turn), len(self.regexes) - 1)]
         if regex is not None:
             params["regex"] = regex
@@ -146,8 +149,9 @@ def test_tool_and_interaction_turns_on_sglang(sglang_engine, tokenizer):
 def test_abort_mid_generation_on_sglang(sglang_engine, tokenizer):
     """Contract: AgentLoop.abort stops in-flight requests on the real engine; trajectories end aborted with the
     partial engine ids kept (mask 1); tools are released and interactions finalized."""
-    # no stop before the budget: letters and spaces only, EOS ignored (a 300-letter regex alone let a fast turn end)
-    steered = RegexSteeredEngine(sglang_engine, [r"[a-z ]+"], ignore_eos=True)
+    # no turn ends before the budget: letters and spaces only, no stop token (the loop's stop tokens are allowed
+    # wherever the regex may end, so a turn could end early and a user turn follow)
+    steered = RegexSteeredEngine(sglang_engine, [r"[a-z ]+"], endless=True)
     loop = _loop(steered, tokenizer)
 
     async def run():

@@ -108,7 +108,7 @@ class Collected:
     trajs: list[Trajectory]  # what the step trains on: trainable, in kept groups, a multiple of the batch split
     metrics: dict[str, float]  # rollout metrics and timings (timing/rollout_s, ...)
     ahead: bool = False  # rolled out in the background while the previous step trained (one_step_off)
-    baselines: torch.Tensor | None = None  # (len(trajs),) ReMax: each sample's prompt rolled out greedily, rewarded
+    baselines: dict[str, float] | None = None  # ReMax: prompt uid -> its greedy rollout's weighted total reward
 
 
 class RunFailed(RuntimeError):
@@ -363,7 +363,7 @@ class Trainer:
         collected = Collected(rolled, trainable(kept, self.row_multiple), metrics, ahead=ahead)
         if algo.adv_estimator == "remax" and self._trains(collected):
             with timer("rollout_greedy"):
-                collected.baselines = self._greedy_baselines(prompts.prompts, collected.trajs, heal)
+                collected.baselines = self._greedy_baselines(prompts.prompts, heal)
         metrics.update(timer.metrics)
         return collected
 
@@ -387,9 +387,7 @@ class Trainer:
             terms = self.reward_fn.terms(trajs)
             token_rewards = self.reward_fn.token_rewards(terms, batch["response_mask"])  # (B, T)
         if collected.baselines is not None:
-            kept_uids = {t.uid for t in trajs}
-            batch["reward_baselines"] = collected.baselines[torch.tensor(
-                [t.uid in kept_uids for t in collected.trajs])]  # (B,)
+            batch["reward_baselines"] = torch.tensor([collected.baselines[t.prompt_uid] for t in trajs])  # (B,)
         self._engines_memory("release_memory_occupation")  # colocated: the rollout is done, engines free the GPUs
         self._megatron_memory("onload")
         with timer("old_log_prob"):
@@ -592,12 +590,11 @@ class Trainer:
                             "use algorithm.filter_groups.metric=score (or return {'score': ..., 'acc': ...})")
         return terms.extra["acc"]
 
-    def _greedy_baselines(self, prompts: list[RolloutPrompt], trajs: list[Trajectory], heal: bool) -> torch.Tensor:
-        """(B,) ReMax baselines: each sample's prompt rolled out greedily, its weighted total reward."""
+    def _greedy_baselines(self, prompts: list[RolloutPrompt], heal: bool) -> dict[str, float]:
+        """ReMax baselines: each prompt rolled out greedily, its weighted total reward, by prompt uid."""
         greedy = self._rollout(prompts, greedy=True, heal=heal)
         totals = self.reward_fn.terms(greedy).totals(self.cfg.reward)  # (P,)
-        by_prompt = {t.prompt_uid: float(v) for t, v in zip(greedy, totals)}
-        return torch.tensor([by_prompt[t.prompt_uid] for t in trajs], dtype=torch.float32)
+        return {t.prompt_uid: float(v) for t, v in zip(greedy, totals)}
 
     @staticmethod
     def _infer(group: MegatronWorkerGroup, method: str, batch: Batch) -> Batch:

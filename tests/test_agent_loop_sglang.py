@@ -36,11 +36,10 @@ class RegexSteeredEngine:
     Records what the engine returned per trajectory, to check the loop's mask against it.
     """
 
-    def __init__(self, engine: Any, regexes: list[str | None], endless: bool = False):
+    def __init__(self, engine: Any, regexes: list[str | None]):
         self.engine = engine
         self.name = f"steered-{engine.name}"
         self.regexes = regexes
-        self.endless = endless  # no stop token and EOS ignored: a turn ends only at its token budget
         self.returned: dict[str, list[GenerateResult]] = defaultdict(list)
         self.inputs: dict[str, list[list[int]]] = defaultdict(list)
 
@@ -55,9 +54,6 @@ class RegexSteeredEngine:
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], request_id: str) -> GenerateResult:
         uid, turn = request_id.rsplit("#", 1)
         params = dict(sampling_params)
-        if self.endless:
-            params.pop("stop_token_ids", None)
-            params["ignore_eos"] = True
         regex = self.regexes[min(int(turn), len(self.regexes) - 1)]
         if regex is not None:
             params["regex"] = regex
@@ -149,9 +145,9 @@ def test_tool_and_interaction_turns_on_sglang(sglang_engine, tokenizer):
 def test_abort_mid_generation_on_sglang(sglang_engine, tokenizer):
     """Contract: AgentLoop.abort stops in-flight requests on the real engine; trajectories end aborted with the
     partial engine ids kept (mask 1); tools are released and interactions finalized."""
-    # no turn ends before the budget: letters and spaces only, no stop token (the loop's stop tokens are allowed
-    # wherever the regex may end, so a turn could end early and a user turn follow)
-    steered = RegexSteeredEngine(sglang_engine, [r"[a-z ]+"], endless=True)
+    # No turn can end before the budget: the grammar admits a stop token only once the regex matches, and 5000
+    # letters are more than the 400-token budget can hold (this tokenizer's longest letters-only token has 12).
+    steered = RegexSteeredEngine(sglang_engine, [r"[a-z ]{5000,}"])
     loop = _loop(steered, tokenizer)
 
     async def run():

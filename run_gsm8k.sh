@@ -12,7 +12,9 @@
 #    multi-turn SFT (recipe.main_sft) -> GRPO with the python tool (recipe.main_ppo --config-name
 #    cpu_learn, validated before the first step and every few steps) -> one JSON line
 #    {"val_acc_sft", "val_acc_rl", "tool_call_rate_sft", "tool_call_rate_rl", "steps", "wall_s"}
-#    and $RUN_DIR/val_acc.svg. SEED seeds the data, the model, SFT and RL.
+#    and $RUN_DIR/val_acc.svg. SEED seeds the data, the model, SFT and RL. SCHEDULE (sync, one_step_off or
+#    fully_async; default sync) is the RL schedule (async_training.schedule); the two async ones give the engine
+#    a CPU bundle of its own (actor_rollout_ref.hybrid_engine=false rollout.nnodes=1 rollout.n_gpus_per_node=1).
 # Extra arguments are Hydra overrides of the (RL) trainer, e.g.
 #    bash run_gsm8k.sh trainer.total_training_steps=5 actor_rollout_ref.model.path=/models/Qwen2.5-3B-Instruct
 set -euo pipefail
@@ -46,11 +48,16 @@ fi
 # ---- no GPU: the cpu_learn preset --------------------------------------------------------------
 export WANDB_MODE=${WANDB_MODE:-offline}
 SEED=${SEED:-0}
+SCHEDULE=${SCHEDULE:-sync}
+SCHEDULE_ARGS=("async_training.schedule=$SCHEDULE")
+if [ "$SCHEDULE" != sync ]; then
+  SCHEDULE_ARGS+=(actor_rollout_ref.hybrid_engine=false rollout.nnodes=1 rollout.n_gpus_per_node=1)
+fi
 RUN_DIR=${RUN_DIR:-$ROOT/outputs/cpu_learn/seed$SEED}
 SFT_STEPS=${SFT_STEPS:-800}          # optimizer steps of 16 demonstrations
 N_TEST=${N_TEST:-256}                # held-out problems
 START=$(date +%s)
-echo "run_gsm8k: cpu_learn preset, seed $SEED, run dir $RUN_DIR"
+echo "run_gsm8k: cpu_learn preset, seed $SEED, schedule $SCHEDULE, run dir $RUN_DIR"
 rm -rf "$RUN_DIR/data" "$RUN_DIR/base_model" "$RUN_DIR/sft" "$RUN_DIR/rl"  # this preset's own outputs only
 
 python -m recipe.data.synthetic_math --out "$RUN_DIR/data" --seed "$SEED" --test "$N_TEST" \
@@ -64,5 +71,5 @@ python -m recipe.main_sft "data.train_files=[$RUN_DIR/data/sft.parquet]" "model.
 python -m recipe.main_ppo --config-name cpu_learn "data.train_files=[$RUN_DIR/data/train.parquet]" \
   "data.val_files=[$RUN_DIR/data/test.parquet]" "actor_rollout_ref.model.path=$RUN_DIR/sft/hf" \
   "trainer.default_local_dir=$RUN_DIR/rl" "trainer.validation_data_dir=$RUN_DIR/rl/validation" \
-  "trainer.seed=$SEED" "$@"
+  "trainer.seed=$SEED" "${SCHEDULE_ARGS[@]}" "$@"
 python -m recipe.cpu_preset --val-dir "$RUN_DIR/rl/validation" --out "$RUN_DIR" --wall-s "$(( $(date +%s) - START ))"

@@ -380,7 +380,8 @@ class RolloutPoolConfig:
                 raise ConfigError(f"rollout.{key} is {getattr(self, key)}; it must be >= 1 (or null)")
 
 
-SCHEDULES = ("sync", "one_step_off")
+SCHEDULES = ("sync", "one_step_off", "fully_async")
+STALE_POLICIES = ("drop", "regenerate")
 
 
 @dataclass
@@ -391,14 +392,57 @@ class AsyncTrainingConfig:
     """sync: each step rolls out, trains, then syncs the weights, so every trained token was sampled by the weights
     it trains from. one_step_off: step k+1's rollout runs while step k trains, on the weights before step k's update
     (every trained token at most one version behind; the engines need their own pool:
-    actor_rollout_ref.hybrid_engine=false)."""
+    actor_rollout_ref.hybrid_engine=false). fully_async: a streaming rollouter keeps the engines full, prompt group
+    after prompt group, and each step trains on the first data.train_batch_size groups to finish (own pool too)."""
+    staleness_threshold: float = 0.5
+    """fully_async (verl's key and meaning): how far the rollouter may run ahead of the trainer. At most
+    (1 + staleness_threshold) x trigger_parameter_sync_step x data.train_batch_size prompt groups are started and not
+    yet taken by the trainer."""
+    trigger_parameter_sync_step: int = 1
+    """fully_async (verl's key): trainer steps between two weight syncs into the engines."""
+    partial_rollout: bool = True
+    """fully_async (verl's key): at a weight sync, generations in flight are paused and continue on the new weights
+    (their turn's tokens then carry two versions); false: the sync waits for every started group to finish."""
+    staleness_bound: int | None = None
+    """How many weight versions behind the actor a trained token may have been sampled; a prompt group with an older
+    token is handled by stale_policy and counted (rollout/staleness/*). None: the schedule's own bound (sync 0,
+    one_step_off 1, fully_async 1 + trigger_parameter_sync_step); only fully_async may set another."""
+    stale_policy: str = "drop"
+    """What happens to a prompt group past the staleness bound: drop (not trained on) or regenerate (fully_async: its
+    prompt is rolled out again, first in line)."""
 
     def __post_init__(self) -> None:
-        if self.schedule == "fully_async":
-            raise ConfigError("async_training.schedule=fully_async is not built yet (no streaming rollouter or partial "
-                              "rollouts); use async_training.schedule=one_step_off to overlap rollout and training")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"async_training.schedule={self.schedule!r}; use one of {', '.join(SCHEDULES)}")
+        if self.stale_policy not in STALE_POLICIES:
+            raise ConfigError(f"async_training.stale_policy={self.stale_policy!r}; use one of "
+                              f"{', '.join(STALE_POLICIES)}")
+        if self.trigger_parameter_sync_step < 1:
+            raise ConfigError(f"async_training.trigger_parameter_sync_step={self.trigger_parameter_sync_step}; it must "
+                              "be >= 1")
+        if self.staleness_threshold < 0:
+            raise ConfigError(f"async_training.staleness_threshold={self.staleness_threshold}; it must be >= 0")
+        if self.schedule != "fully_async":
+            if self.staleness_bound is not None:
+                raise ConfigError(f"async_training.staleness_bound is fixed by async_training.schedule={self.schedule} "
+                                  f"({self.bound}); drop the key, or use async_training.schedule=fully_async")
+            if self.stale_policy == "regenerate":
+                raise ConfigError(f"async_training.stale_policy=regenerate needs async_training.schedule=fully_async "
+                                  f"(in {self.schedule} no token passes its bound); drop the key")
+        elif self.staleness_bound is not None and self.staleness_bound < 0:
+            raise ConfigError(f"async_training.staleness_bound={self.staleness_bound}; it must be >= 0")
+
+    @property
+    def bound(self) -> int:
+        """The staleness bound in weight versions (`staleness_bound`, or the schedule's own)."""
+        if self.staleness_bound is not None:
+            return self.staleness_bound
+        return {"sync": 0, "one_step_off": 1}.get(self.schedule, 1 + self.trigger_parameter_sync_step)
+
+    @property
+    def separate_pool(self) -> bool:
+        """Whether the schedule rolls out while the trainer trains (the engines need GPUs of their own)."""
+        return self.schedule != "sync"
 
 
 @dataclass
@@ -441,10 +485,15 @@ class PPOConfig:
         if (t.test_freq > 0 or t.log_val_generations or t.validation_data_dir) and not self.data.val_files:
             raise ConfigError("trainer.test_freq / log_val_generations / validation_data_dir ask for validation but "
                               "data.val_files is empty; set data.val_files=[path/to/test.parquet] or drop them")
-        if self.async_training.schedule == "one_step_off" and self.actor_rollout_ref.hybrid_engine:
-            raise ConfigError("async_training.schedule=one_step_off rolls out while the trainer trains, so the engines "
+        schedule = self.async_training.schedule
+        if self.async_training.separate_pool and self.actor_rollout_ref.hybrid_engine:
+            raise ConfigError(f"async_training.schedule={schedule} rolls out while the trainer trains, so the engines "
                               "need GPUs of their own: set actor_rollout_ref.hybrid_engine=false with rollout.nnodes "
                               "and rollout.n_gpus_per_node (their pool)")
+        if schedule == "fully_async" and self.algorithm.adv_estimator == "remax":
+            raise ConfigError("algorithm.adv_estimator=remax rolls out a greedy baseline of each step's prompt batch, and "
+                              "async_training.schedule=fully_async streams prompt groups with no batch; use grpo, or "
+                              "async_training.schedule=one_step_off")
         if t.critic_warmup > 1 and not self.use_critic:
             raise ConfigError(f"trainer.critic_warmup={t.critic_warmup} warms up a critic, and "
                               f"algorithm.adv_estimator={self.algorithm.adv_estimator} has none: its first "

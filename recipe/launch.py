@@ -86,8 +86,7 @@ _REF_AS_ACTOR = {"param_offload": "every role is offloaded with the actor's flag
 
 _NO_CP = ("context parallelism is not supported: splitting a sequence over ranks needs TransformerEngine's attention "
           "(Megatron's TE layer spec), and polyturn runs the local layer spec without TransformerEngine")
-_FULLY_ASYNC = ("staleness_threshold", "trigger_parameter_sync_step", "partial_rollout", "require_batches",
-                "use_rollout_log_probs")
+_FULLY_ASYNC = ("require_batches", "use_rollout_log_probs")
 # verl keys that are not polyturn keys, by dotted key or by a section with everything under it.
 VERL_KEYS: dict[str, Rule] = {
     **{f"actor_rollout_ref.rollout.{k}": Rule(f"the actor's old-log-prob pass size: actor_rollout_ref.actor.{k}",
@@ -168,8 +167,9 @@ VERL_KEYS: dict[str, Rule] = {
     "reward_model": Rule("a model reward is not supported: rewards come from custom_reward_function.* and reward.*; "
                          "drop reward_model.*"),
     **{f"async_training.{k}": Rule(
-        "a knob of verl's fully async trainer, which has no counterpart here yet; drop it (async_training.schedule="
-        "one_step_off rolls out the next step while this one trains)") for k in _FULLY_ASYNC},
+        "a knob of verl's fully async trainer with no counterpart here: a step trains on data.train_batch_size prompt "
+        "groups, and the engine's log-probs are used through algorithm.rollout_correction.*; drop it")
+        for k in _FULLY_ASYNC},
 }
 
 

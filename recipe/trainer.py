@@ -40,7 +40,13 @@ Where it departs from verl's `RayPPOTrainer.fit`:
   excepted), and the engines never idle while Megatron trains. Every trained token is checked against the
   schedule's bound (`recipe.schedules`; a trajectory past it is dropped and counted), `rollout/staleness/*` and
   `perf/{engine,trainer}_busy_fraction` say how it went, and a checkpoint keeps the rollout done ahead, so a
-  resumed run trains on what the uninterrupted one would have.
+  resumed run trains on what the uninterrupted one would have. `fully_async` streams prompt groups
+  (`recipe.schedules.StreamingRollouter`, on the same event loop in a thread of its own): each step takes the first
+  `data.train_batch_size` groups to finish that are within the staleness bound (and, under dynamic sampling, carry
+  a signal), trains, and every `trigger_parameter_sync_step` steps syncs the weights with the generations in flight
+  paused (`partial_rollout`) or finished first; its checkpoints keep the finished groups not yet trained and the
+  prompts in flight, which a resumed run rolls out again first. The engines' busy fraction is the share of the step
+  with a request in flight on some engine (`EngineRouter.busy_seconds`), in every schedule.
 - ReMax's baseline is a greedy rollout of each prompt through the same agent loop (tools and
   interactions included), rewarded like the samples; it is not trained on.
 - `trainer.critic_warmup` is verl's: the actor is updated from step `critic_warmup` on (verl's
@@ -56,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import pickle
 import time
 from collections.abc import Callable, Iterator
@@ -85,7 +92,7 @@ from recipe.config_schema import PPOConfig
 from recipe.data.dataset import PromptBatch
 from recipe.flops import MFU
 from recipe.reward import RewardFn, RewardTerms, policy_text
-from recipe.schedules import RolloutAhead, within_staleness
+from recipe.schedules import RolloutAhead, RolloutStopped, StreamingRollouter, staleness, within_staleness
 from recipe.tracking import Tracking
 from recipe.validation import TABLE_COLUMNS, Validator, trajectory_records, write_jsonl
 from rollout.agent_loop import AgentLoop, RolloutPrompt, rollout_metrics
@@ -98,6 +105,7 @@ Batch = dict[str, torch.Tensor]
 
 
 ROLLOUT_AHEAD = "rollout_ahead.pkl"  # in a one_step_off checkpoint: the next step's rollout (a pickled Collected)
+STREAM = "stream.pkl"  # in a fully_async checkpoint: (finished groups not taken, prompts in flight or drawn)
 
 
 @dataclass
@@ -107,7 +115,7 @@ class Collected:
     rolled: list[Trajectory]  # everything rolled out (under dynamic sampling: every prompt batch)
     trajs: list[Trajectory]  # what the step trains on: trainable, in kept groups, a multiple of the batch split
     metrics: dict[str, float]  # rollout metrics and timings (timing/rollout_s, ...)
-    ahead: bool = False  # rolled out in the background while the previous step trained (one_step_off)
+    ahead: bool = False  # rolled out in the background while the previous step trained (one_step_off, fully_async)
     baselines: dict[str, float] | None = None  # ReMax: prompt uid -> its greedy rollout's weighted total reward
 
 
@@ -226,6 +234,10 @@ class Trainer:
         self._fatal: RunFailed | None = None  # an engine died with no restart left: raised once the rollout ends
         self._aborting: asyncio.Future | None = None
         self._ahead: Collected | None = None  # the next step's rollout, done (one_step_off; saved in checkpoints)
+        self._stream: StreamingRollouter | None = None  # fully_async's rollouter, while `fit` runs
+        self._stream_state: tuple | None = None  # fully_async: what a checkpoint saved of the rollouter (resume)
+        self.unsynced_updates = 0  # actor updates not synced into the engines yet (fully_async syncs every few steps)
+        self._step_start = (0.0, 0.0)  # the running step's start: wall time, the engines' busy seconds
         agent_loop.router.on_dead = self._engine_died
 
     def fit(self, batches: Iterator[PromptBatch]) -> None:
@@ -235,36 +247,119 @@ class Trainer:
         `async_training.schedule=one_step_off`: while step k trains, a background thread rolls out step k+1's prompts
         on the engines (which still hold the weights before step k's update); the weight sync waits for that rollout,
         which step k+1 then trains on."""
-        t = self.cfg.trainer
-        one_step_off = self.cfg.async_training.schedule == "one_step_off"
+        t, schedule = self.cfg.trainer, self.cfg.async_training.schedule
         if self.validator is not None and t.val_before_train:
             self.validate(self.global_step)
 
         def more() -> PromptBatch:
             return self._next_batch(batches)
 
+        steps = tqdm(range(self.global_step + 1, self.total_steps + 1), desc="training", unit="step",
+                     initial=self.global_step, total=self.total_steps, disable=None)  # None: off unless a tty
+        if schedule == "fully_async":
+            return self._fit_streaming(more, steps)
         ahead = RolloutAhead()
         try:
-            for step in tqdm(range(self.global_step + 1, self.total_steps + 1), desc="training", unit="step",
-                             initial=self.global_step, total=self.total_steps, disable=None):  # None: off unless a tty
-                t0 = time.monotonic()
+            for step in steps:
+                self._start_step()
                 collected, self._ahead = self._ahead or self._collect(more(), step, more), None
-                if one_step_off and step < self.total_steps:
+                if schedule == "one_step_off" and step < self.total_steps:
                     ahead.start(self._collect, more(), step + 1, more, ahead=True)
                 try:
-                    self._train(collected, step, t0, ahead=ahead)
+                    self._train(collected, step, before_sync=lambda: self._join(ahead) if ahead.pending else None)
                     if ahead.pending:  # a skipped step syncs nothing: join here
                         self._join(ahead)
                 except BaseException:
                     ahead.abort(self.agent_loop, self._loop)
                     raise
-                self.global_step = step
-                if self.validator is not None and t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps):
-                    self.validate(step)
-                if t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps):
-                    self.save_checkpoint()
+                self._end_step(step)
         finally:
             ahead.close()
+
+    def _fit_streaming(self, more: Callable[[], PromptBatch], steps: Iterator[int]) -> None:
+        """fully_async: a streaming rollouter keeps the engines full while each step trains on the first groups to
+        finish; the weights are synced every `trigger_parameter_sync_step` steps (and before a checkpoint)."""
+        a, t = self.cfg.async_training, self.cfg.trainer
+        capacity = math.ceil((1 + a.staleness_threshold) * a.trigger_parameter_sync_step * self.cfg.data.train_batch_size)
+        stream = self._stream = StreamingRollouter(self.agent_loop, self._loop, lambda: more().prompts, capacity,
+                                                   seed=self._rollout_seed(0))
+        if self._stream_state is not None:
+            finished, pending = self._stream_state
+            stream.restore(finished, pending)
+        stream.start()
+
+        def before_sync() -> None:  # the engines idle, and the dead ones restarted
+            if a.partial_rollout:
+                stream.pause()
+            else:
+                stream.drain()
+            self._heal_engines()
+        try:
+            for step in steps:
+                self._start_step()
+                collected = self._take_groups(stream, step)
+                saves = t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps)
+                sync = saves or step == self.total_steps or step % a.trigger_parameter_sync_step == 0
+                self._train(collected, step, sync=sync, before_sync=before_sync, after_sync=stream.resume)
+                self._end_step(step)
+        finally:
+            stream.stop()
+            self._stream = None
+
+    def _take_groups(self, stream: StreamingRollouter, step: int) -> Collected:
+        """fully_async: the next `data.train_batch_size` finished groups within the staleness bound (past it: dropped,
+        or rolled out again) and, under dynamic sampling, with a signal."""
+        a, fg, want = self.cfg.async_training, self.cfg.algorithm.filter_groups, self.cfg.data.train_batch_size
+        actor_version = self.weight_version + self.unsynced_updates
+        rolled: list[Trajectory] = []
+        kept: list[Trajectory] = []
+        counts = {"stale": 0, "regenerated": 0, "filtered": 0, "taken": 0, "kept": 0}
+        t0 = time.monotonic()
+        while counts["kept"] < want:
+            if fg.enable and 0 < fg.max_num_gen_batches and counts["taken"] >= fg.max_num_gen_batches * want:
+                break
+            try:
+                prompt, group = stream.take(self.cfg.trainer.rollout_timeout_s, check=self._raise_if_fatal)
+            except (RolloutStopped, TimeoutError) as e:
+                raise RunFailed(f"step {step}: {e}; stopping the run") from e
+            counts["taken"] += 1
+            rolled += group
+            if any(staleness(x, actor_version) > a.bound for x in group):
+                if a.stale_policy == "regenerate":
+                    stream.requeue([prompt])
+                    counts["regenerated"] += 1
+                else:
+                    counts["stale"] += 1
+                continue
+            trained = self._groups(group)
+            if fg.enable and not (trained and self._has_signal(trained[0])):
+                counts["filtered"] += 1
+                continue
+            kept += group
+            counts["kept"] += 1
+        self.faults["fault/retried_trajectories"] = float(self.agent_loop.retried)
+        metrics = {**rollout_metrics(rolled), "timing/wait_groups_s": time.monotonic() - t0,
+                   "rollout/staleness/dropped_groups": float(counts["stale"]),
+                   "rollout/staleness/regenerated_groups": float(counts["regenerated"]),
+                   "rollout/staleness/taken_mean": sum(staleness(x, actor_version) for x in rolled) / len(rolled)}
+        if fg.enable:
+            metrics.update({"rollout/filter_groups/kept_groups": float(counts["kept"]),
+                            "rollout/filter_groups/dropped_groups": float(counts["filtered"]),
+                            "rollout/filter_groups/gen_batches": counts["taken"] / want})
+        metrics["fault/failed_fraction"] = sum(x.finish_reason is FinishReason.ERROR for x in rolled) / max(len(rolled), 1)
+        return Collected(rolled, trainable(kept, self.row_multiple), metrics, ahead=True)
+
+    def _start_step(self) -> None:
+        self._step_start = (time.monotonic(), self.agent_loop.router.busy_seconds())
+
+    def _end_step(self, step: int) -> None:
+        """After step `step` trained (or was skipped): validation and checkpoint, as configured."""
+        t = self.cfg.trainer
+        self.global_step = step
+        if self.validator is not None and t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps):
+            self.validate(step)
+        if t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps):
+            self.save_checkpoint()
 
     def _join(self, ahead: RolloutAhead) -> Collected:
         """Wait for the rollout ahead (one_step_off), then probe the engines and restart the dead ones (which the
@@ -278,7 +373,7 @@ class Trainer:
         `val/generations` table (`trainer.log_val_generations` rows) and `<validation_data_dir>/<step>.jsonl`."""
         timer = Timer()
         with timer("validation"):
-            result = self._loop.run_until_complete(self.validator.run(step))
+            result = self._run(self.validator.run(step))
         self._raise_if_fatal()
         metrics = {**result.metrics, **timer.metrics}
         self.tracker.log(metrics, step)
@@ -299,9 +394,12 @@ class Trainer:
         """Checkpoint the finished step `global_step`: the actor's (and critic's) shards and the trainer state,
         written atomically under `trainer.default_local_dir`; returns its directory."""
         t = self.cfg.trainer
+        stream, batches = None, (self.batches_consumed, self.epoch)
+        if self._stream is not None:  # fully_async: read on the rollouter's loop, where it draws prompts
+            stream, batches = self._stream.snapshot(lambda: (self.batches_consumed, self.epoch))
         state = checkpoint.TrainerState(step=self.global_step, weight_version=self.weight_version,
-                                        kl_coef=float(self.kl_ctrl.value), batches_consumed=self.batches_consumed,
-                                        epoch=self.epoch, wandb_run_id=self.tracker.run_id)
+                                        kl_coef=float(self.kl_ctrl.value), batches_consumed=batches[0],
+                                        epoch=batches[1], wandb_run_id=self.tracker.run_id)
 
         def write(directory: Path) -> None:
             for name, group in (("actor", self.workers.actor), ("critic", self.workers.critic)):
@@ -309,6 +407,8 @@ class Trainer:
                     group.call_all("save_checkpoint", str(directory / name))
             if self._ahead is not None:  # one_step_off: the next step's rollout, done, and its prompts drawn
                 (directory / ROLLOUT_AHEAD).write_bytes(pickle.dumps(self._ahead))
+            if stream is not None:
+                (directory / STREAM).write_bytes(pickle.dumps(stream))
             state.write(directory)
 
         return checkpoint.save(t.default_local_dir, self.global_step, write, t.max_actor_ckpt_to_keep)
@@ -328,6 +428,8 @@ class Trainer:
         self.global_step, self.kl_ctrl.value = state.step, state.kl_coef
         if (directory / ROLLOUT_AHEAD).is_file():  # the next step trains on it, as the uninterrupted run did
             self._ahead = pickle.loads((directory / ROLLOUT_AHEAD).read_bytes())
+        if (directory / STREAM).is_file():  # fully_async: trained first, and rolled out again first
+            self._stream_state = pickle.loads((directory / STREAM).read_bytes())
         for _ in range(state.batches_consumed):
             self._next_batch(batches)
         if self.epoch != state.epoch:
@@ -335,14 +437,15 @@ class Trainer:
                              f"{self.epoch}, the checkpoint says {state.epoch}; resume with the same data.train_files, "
                              "data.train_batch_size, data.shuffle and trainer.seed")
         self.weight_version = state.weight_version - 1  # sync_weights publishes the next version: the saved one
+        self.unsynced_updates = 1
         self.sync_weights()
         logger.info("resumed from %s: step %d, weight version %d", directory, self.global_step, self.weight_version)
 
     def step(self, prompts: PromptBatch, step: int, more: Callable[[], PromptBatch] | None = None) -> dict[str, float]:
         """One synchronous RL step; returns (and logs) its metrics. `more` draws the next prompt batch (dynamic
         sampling)."""
-        t0 = time.monotonic()
-        return self._train(self._collect(prompts, step, more), step, t0)
+        self._start_step()
+        return self._train(self._collect(prompts, step, more), step)
 
     def _collect(self, prompts: PromptBatch, step: int, more: Callable[[], PromptBatch] | None,
                  ahead: bool = False) -> Collected:
@@ -372,13 +475,16 @@ class Trainer:
         return bool(collected.trajs) and \
             collected.metrics["fault/failed_fraction"] <= self.cfg.trainer.max_failed_fraction
 
-    def _train(self, collected: Collected, step: int, t0: float, ahead: RolloutAhead | None = None) -> dict[str, float]:
-        """The rest of step `step` on its rollout (started at `t0`): rewards, log-probs, advantages, updates, weight
-        sync (after joining the rollout `ahead`, one_step_off), metrics; returns (and logs) them."""
+    def _train(self, collected: Collected, step: int, sync: bool = True, before_sync: Callable[[], Any] | None = None,
+                after_sync: Callable[[], Any] | None = None) -> dict[str, float]:
+        """The rest of step `step` on its rollout: rewards, log-probs, advantages, updates, weight sync (`sync`;
+        `before_sync` waits for the rollout in flight to let it, `after_sync` lets it go on), metrics; returns (and
+        logs) them."""
         timer, algo = Timer(), self.cfg.algorithm
+        t0, busy0 = self._step_start
         rolled, rollout_m = collected.rolled, collected.metrics
-        trajs, stale_m = within_staleness(collected.trajs, self.weight_version, self.cfg.async_training.schedule,
-                                          self.row_multiple)
+        trajs, stale_m = within_staleness(collected.trajs, self.weight_version + self.unsynced_updates,
+                                          self.cfg.async_training.bound, self.row_multiple)
         if not trajs or not self._trains(collected):
             return self._skip_step(step, rolled, {**rollout_m, **stale_m, "timing/step_s": time.monotonic() - t0})
         self.failed_steps_in_row = 0
@@ -423,19 +529,23 @@ class Trainer:
             with timer("update_actor"):
                 actor_metrics = self.workers.actor.dispatch(
                     "update_policy", batch, mini_batches=self.actor_mini_batches, loss_fn=self.policy_loss_fn)[0]
+            self.unsynced_updates += 1
         self._megatron_memory("offload")
         self._engines_memory("resume_memory_occupation", tags=["weights"])
-        own_rollout_s = 0.0 if collected.ahead else rollout_m["timing/rollout_s"]  # rolled out in this step's time
-        engines_busy_s = own_rollout_s
-        if ahead is not None and ahead.pending:  # one_step_off: the engines take new weights once it is done
-            with timer("wait_rollout"):
-                engines_busy_s += self._join(ahead).metrics["timing/rollout_s"]
-        if update_actor:  # unchanged weights are not synced again
+        if sync and self.unsynced_updates:  # unchanged weights are not synced again
+            if before_sync is not None:  # the engines take new weights once the rollout in flight lets them
+                with timer("wait_rollout"):
+                    before_sync()
             with timer("sync_weights"):
                 sync_metrics = self.sync_weights()
+            if after_sync is not None:
+                after_sync()
         self._engines_memory("resume_memory_occupation", tags=["kv_cache", "cuda_graph"])
         step_s = timer.metrics["timing/step_s"] = time.monotonic() - t0
-        waited_s = own_rollout_s + timer.metrics.get("timing/wait_rollout_s", 0.0)  # the trainer idle meanwhile
+        engines_busy_s = self.agent_loop.router.busy_seconds() - busy0
+        # the trainer idle meanwhile: its own rollout (sync), or waiting for the one in flight / for finished groups
+        waited_s = (0.0 if collected.ahead else rollout_m["timing/rollout_s"]) + \
+            timer.metrics.get("timing/wait_rollout_s", 0.0) + rollout_m.get("timing/wait_groups_s", 0.0)
         metrics = {**rollout_m, **actor_metrics, **critic_metrics, **kl_metrics, **probs_diff, **sync_metrics,
                    **timer.metrics, **self.faults, **stale_m, "trainer/actor_updated": float(update_actor),
                    "perf/engine_busy_fraction": min(engines_busy_s / step_s, 1.0),
@@ -449,7 +559,8 @@ class Trainer:
             metrics["perf/mfu/actor"] = self.mfu.of_update(batch["attention_mask"].sum(dim=1).tolist(),
                                                            self.cfg.actor_rollout_ref.actor.ppo_epochs,
                                                            timer.metrics["timing/update_actor_s"])
-        metrics["perf/rollout_tokens_per_s"] = rollout_m["rollout/sampled_tokens"] / rollout_m["timing/rollout_s"]
+        if "timing/rollout_s" in rollout_m:  # a rollout of its own (not fully_async's stream)
+            metrics["perf/rollout_tokens_per_s"] = rollout_m["rollout/sampled_tokens"] / rollout_m["timing/rollout_s"]
         self.tracker.log(metrics, step)
         self._log_examples(trajs, terms, step)
         if self.cfg.trainer.rollout_data_dir:
@@ -463,9 +574,9 @@ class Trainer:
     def _rollout(self, prompts: list[RolloutPrompt], greedy: bool = False, seed: int | None = None,
                  over_sample_rate: float = 0.0, heal: bool = True) -> list[Trajectory]:
         """The agent loop's rollout of `prompts`, then (`heal`) every engine probed and the dead ones restarted."""
-        trajs = self._loop.run_until_complete(rollout_with_timeout(
+        trajs = self._run(rollout_with_timeout(
             self.agent_loop, prompts, self.cfg.trainer.rollout_timeout_s, greedy, seed, over_sample_rate))
-        self.faults["fault/retried_trajectories"] += self.agent_loop.retried
+        self.faults["fault/retried_trajectories"] = float(self.agent_loop.retried)
         if heal:
             self._heal_engines()
         return trajs
@@ -491,7 +602,7 @@ class Trainer:
         with the checksum check before the router uses it again (RunFailed when it has no restart left)."""
         router, r = self.agent_loop.router, self.cfg.actor_rollout_ref.rollout
         self._raise_if_fatal()
-        self._loop.run_until_complete(router.probe(r.engine_health_timeout_s))
+        self._run(router.probe(r.engine_health_timeout_s))
         self._raise_if_fatal()
         dead = sorted(router.dead)
         if not dead:
@@ -553,7 +664,7 @@ class Trainer:
         dropped = 0
         while True:
             for group in self._groups(batch):
-                if len(group) > 1 and float(torch.tensor(self._group_metric(group, fg.metric)).std()) > 0:  # NaN: no
+                if self._has_signal(group):
                     kept.append(group)
                 else:
                     dropped += 1
@@ -577,6 +688,11 @@ class Trainer:
             if any(t.response_mask) and t.finish_reason is not FinishReason.OVER_SAMPLED:
                 groups.setdefault(t.prompt_uid, []).append(t)
         return list(groups.values())
+
+    def _has_signal(self, group: list[Trajectory]) -> bool:
+        """Dynamic sampling: whether the group's samples differ in `algorithm.filter_groups.metric`."""
+        return len(group) > 1 and float(torch.tensor(self._group_metric(  # NaN (one sample): no
+            group, self.cfg.algorithm.filter_groups.metric)).std()) > 0
 
     def _group_metric(self, group: list[Trajectory], metric: str) -> list[float]:
         """Each sample's `algorithm.filter_groups.metric`."""
@@ -604,10 +720,17 @@ class Trainer:
         return concat_results(group.dispatch(method, inputs))
 
     def sync_weights(self) -> dict[str, float]:
-        """Actor weights -> every engine under the next version (recipe.weight_sync); its metrics."""
-        metrics = self.workers.weight_sync.sync(self.weight_version + 1)
-        self.weight_version += 1
+        """Actor weights -> every engine (recipe.weight_sync) under the version that counts the actor's updates; its
+        metrics."""
+        metrics = self.workers.weight_sync.sync(self.weight_version + self.unsynced_updates)
+        self.weight_version, self.unsynced_updates = self.weight_version + self.unsynced_updates, 0
         return metrics
+
+    def _run(self, coro: Any) -> Any:
+        """Run `coro` on the trainer's event loop: here, or on the rollouter's thread while fully_async runs it."""
+        if self._loop.is_running():
+            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        return self._loop.run_until_complete(coro)
 
     def _engines_memory(self, method: str, tags: list[str] | None = None) -> None:
         """Colocated only: every engine releases / resumes the GPU memory of `tags` (None: all of it)."""

@@ -21,6 +21,12 @@ Where it departs from the textbook "render the chat, tokenize, generate" loop:
   model and metrics; an interaction or engine failure ends that trajectory with finish
   reason `error`; `abort()` ends all of them with `aborted`. Tools are always released and
   interactions always finalized (`ToolRunner.session`, `InteractionRunner.session`).
+- A weight update may land mid-turn (partial rollout: the router's `pause` aborts the requests in
+  flight and holds new ones until `resume`): the paused turn keeps what it sampled and is continued
+  on the new weights as the same turn, each segment with the version that sampled it. A trajectory
+  waiting on a tool or a simulated user keeps its place; its next request waits for `resume`.
+- `generate` may run several times at once on one loop (fully_async's rollouter starts a call per
+  prompt group); `abort` ends them all.
 - A trajectory whose engine dies (`EngineDeadError`) is started over on an engine still alive,
   up to `max_trajectory_retries` times: its tool instances are released and its interaction
   finalized once (leaving the failed attempt), then created afresh for the new attempt; the
@@ -225,12 +231,10 @@ class AgentLoop:
         self.codec = ChatCodec.for_tokenizer(tokenizer)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._parsers: dict[tuple[str, ...], ToolCallParser] = {}
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # the trajectories of every running `generate` call
         self._aborted = False
-        self._over_sampled = False  # the running `generate` cut its slowest trajectories (over_sample_rate)
-        self._sampling: dict[str, Any] = {}  # the running `generate` call's sampling parameters
-        self._seed: int | None = None  # the running `generate` call's seed
-        self.retried = 0  # trajectories started over after an engine died, in the running / last `generate` call
+        self._over_sampled = False  # a running `generate` cut its slowest trajectories (over_sample_rate)
+        self.retried = 0  # trajectories started over after an engine died, since this loop was made
 
     # ---- public API --------------------------------------------------------------------
 
@@ -243,8 +247,8 @@ class AgentLoop:
             if p.interaction_kwargs:
                 self.interactions.validate_sample(p.interaction_kwargs)
 
-    async def generate(self, prompts: list[RolloutPrompt], *, greedy: bool = False,
-                       seed: int | None = None, over_sample_rate: float = 0.0) -> list[Trajectory]:
+    async def generate(self, prompts: list[RolloutPrompt], *, greedy: bool = False, seed: int | None = None,
+                       over_sample_rate: float = 0.0, progress: bool = True) -> list[Trajectory]:
         """Roll out every prompt `n` times concurrently; the trajectories in prompt order, `n` per prompt.
 
         `greedy=True` rolls out each prompt once at temperature 0 (ReMax's baseline). With a `seed`,
@@ -252,15 +256,13 @@ class AgentLoop:
         with SGLang's `enable_deterministic_inference`). With `over_sample_rate` r > 0, once all but a
         fraction r of the trajectories have ended, the rest are aborted with finish reason `over_sampled`
         (verl's over-sampling). Returns when every trajectory has ended, or after `abort()` with what
-        was produced so far.
+        was produced so far. `progress`: a progress bar (on a tty).
         """
         self.validate(prompts)
-        self._aborted = False
-        self._over_sampled = False
-        self._seed = seed
-        self.retried = 0
+        if not self._tasks:  # no other call running
+            self._aborted = self._over_sampled = False
         c = self.config
-        self._sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": -1} if greedy else \
+        sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": -1} if greedy else \
             {"temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k}
         trajs: list[Trajectory] = []
         jobs = []
@@ -271,20 +273,23 @@ class AgentLoop:
             for k in range(1 if greedy else c.n):
                 traj = self._new_trajectory(p, k, tool_names, prompt_ids)
                 trajs.append(traj)
-                jobs.append(self._run(traj, schemas, partial(self._new_trajectory, p, k, tool_names, prompt_ids)))
-        self._tasks = {asyncio.ensure_future(j) for j in jobs}
-        logger.info("rollout started: %d trajectories", len(self._tasks))  # the bar below is off in a log file
-        bar = tqdm(total=len(self._tasks), desc="rollout", unit="traj", leave=False, disable=None)  # off unless a tty
-        for task in self._tasks:
+                jobs.append(self._run(traj, schemas, partial(self._new_trajectory, p, k, tool_names, prompt_ids),
+                                      sampling, seed))
+        tasks = [asyncio.ensure_future(j) for j in jobs]
+        self._tasks.update(tasks)
+        if progress:
+            logger.info("rollout started: %d trajectories", len(tasks))  # the bar below is off in a log file
+        bar = tqdm(total=len(tasks), desc="rollout", unit="traj", leave=False, disable=None if progress else True)
+        for task in tasks:
             task.add_done_callback(lambda _: bar.update())
         engine_aborts: list[asyncio.Future] = []
         if over_sample_rate > 0:
-            self._abort_the_rest_after(max(1, int(len(self._tasks) * (1.0 - over_sample_rate))), engine_aborts)
+            self._abort_the_rest_after(tasks, max(1, int(len(tasks) * (1.0 - over_sample_rate))), engine_aborts)
         try:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             await asyncio.gather(*engine_aborts)
         finally:
-            self._tasks = set()
+            self._tasks.difference_update(tasks)
             bar.close()
         for t in trajs:  # tasks cancelled before they started never ran their body
             if t.status is not TrajectoryStatus.DONE:
@@ -304,10 +309,9 @@ class AgentLoop:
         for task in tasks:
             task.cancel()
 
-    def _abort_the_rest_after(self, target: int, engine_aborts: list[asyncio.Future]) -> None:
-        """Once `target` of the running trajectories have ended, cancel the others as over-sampled and abort
-        their engine requests (the future lands in `engine_aborts`, for `generate` to await)."""
-        tasks = list(self._tasks)
+    def _abort_the_rest_after(self, tasks: list[asyncio.Task], target: int, engine_aborts: list[asyncio.Future]) -> None:
+        """Once `target` of `tasks` (one `generate` call's trajectories) have ended, cancel the others as over-sampled
+        and abort their engine requests (the future lands in `engine_aborts`, for `generate` to await)."""
         ended = 0
 
         def on_done(_: asyncio.Future) -> None:
@@ -355,16 +359,18 @@ class AgentLoop:
             self._parsers[key] = ToolCallParser(schemas, self.config.multi_turn.format)
         return self._parsers[key]
 
-    async def _run(self, traj: Trajectory, schemas: list[dict[str, Any]] | None,
-                   fresh: Callable[[], Trajectory]) -> Trajectory:
+    async def _run(self, traj: Trajectory, schemas: list[dict[str, Any]] | None, fresh: Callable[[], Trajectory],
+                   sampling: dict[str, Any], seed: int | None) -> Trajectory:
         """Run one trajectory to its end; never raises (cancellation ends it as aborted).
 
         `schemas` are the tool schemas its prompt was rendered with (for the drift check); `fresh()` makes the
-        trajectory anew, for a retry after its engine died.
+        trajectory anew, for a retry after its engine died; `sampling` and `seed` are its `generate` call's.
         """
+        if seed is not None:
+            sampling = {**sampling, "sampling_seed": sampling_seed(seed, traj.uid)}
         for attempt in range(self.config.max_trajectory_retries + 1):
             try:
-                await self._attempt(traj, schemas)
+                await self._attempt(traj, schemas, sampling)
                 break
             except EngineDeadError as exc:  # the sessions are closed: tools released, interaction finalized
                 if self._aborted or attempt == self.config.max_trajectory_retries or not self.router.has_live():
@@ -378,7 +384,7 @@ class AgentLoop:
         traj.drift_index = self.codec.drift_index(traj, schemas)
         return traj
 
-    async def _attempt(self, traj: Trajectory, schemas: list[dict[str, Any]] | None) -> None:
+    async def _attempt(self, traj: Trajectory, schemas: list[dict[str, Any]] | None, sampling: dict[str, Any]) -> None:
         """One attempt at `traj` with its own tool instances and interaction; raises only EngineDeadError."""
         try:
             async with AsyncExitStack() as stack:
@@ -395,7 +401,7 @@ class AgentLoop:
                     runner_i = self.interactions.route(traj.interaction_kwargs)
                     iid = await stack.enter_async_context(runner_i.session(**traj.interaction_kwargs))
                     interaction = (runner_i, iid)
-                await self._turns(traj, instances, interaction)
+                await self._turns(traj, instances, interaction, sampling)
                 await self._final_tool_rewards(traj, instances)
         except asyncio.CancelledError:
             traj.finish(self._cancelled_reason())
@@ -421,7 +427,8 @@ class AgentLoop:
             left = min(left, self.config.max_model_len - traj.total_length)
         return left
 
-    async def _turns(self, traj: Trajectory, instances: dict[str, str], interaction: tuple[InteractionRunner, str] | None) -> None:
+    async def _turns(self, traj: Trajectory, instances: dict[str, str], interaction: tuple[InteractionRunner, str] | None,
+                     sampling: dict[str, Any]) -> None:
         mt = self.config.multi_turn
         parser = self._parser(traj.tool_names) if traj.tool_names else None
         while True:
@@ -431,15 +438,23 @@ class AgentLoop:
             if budget <= 0:
                 return traj.finish(FinishReason.LENGTH)
             traj.set_status(TrajectoryStatus.GENERATING)
-            res = await self._generate(traj, budget)
+            res = await self._generate(traj, budget, sampling)
             traj.append_assistant(res.output_ids, res.output_logprobs, res.weight_version)
-            text = self.codec.assistant_text(res.output_ids)
+            part = 0
+            while res.meta.get("paused") and not self._aborted and self._budget(traj) > 0:
+                part += 1  # a weight update paused the turn: continue it on the new weights
+                res = await self._generate(traj, self._budget(traj), sampling, part)
+                traj.append_assistant(res.output_ids, res.output_logprobs, res.weight_version, continues=True)
+            turn_ids = traj.response_ids[traj.turns[-1].start:]
+            text = self.codec.assistant_text(turn_ids)
             traj.messages.append({"role": "assistant", "content": text})
+            if res.meta.get("paused") and not self._aborted:  # paused with its budget spent
+                return traj.finish(FinishReason.LENGTH)
             if res.finish_reason == "abort":
                 return traj.finish(FinishReason.ABORTED)
             if res.finish_reason == "length":
                 return traj.finish(FinishReason.LENGTH)
-            stop_id = res.output_ids[-1] if res.output_ids and res.output_ids[-1] in self.codec.stop_token_ids else None
+            stop_id = turn_ids[-1] if turn_ids and turn_ids[-1] in self.codec.stop_token_ids else None
             parsed = parser.parse(text) if parser is not None else None
             if parsed is not None and parsed.has_calls:
                 if traj.num_assistant_turns >= mt.max_assistant_turns:
@@ -470,15 +485,11 @@ class AgentLoop:
             traj.append_context(delta, role=new_messages[0]["role"])
             traj.messages.extend(new_messages)
 
-    async def _generate(self, traj: Trajectory, budget: int) -> GenerateResult:
-        params = {
-            **self._sampling,
-            "max_new_tokens": budget,
-            "stop_token_ids": sorted(self.codec.stop_token_ids),
-        }
-        if self._seed is not None:
-            params["sampling_seed"] = sampling_seed(self._seed, traj.uid)
-        request_id = f"{traj.uid}#{traj.num_assistant_turns}"
+    async def _generate(self, traj: Trajectory, budget: int, sampling: dict[str, Any], part: int = 0) -> GenerateResult:
+        """One engine request for the next assistant turn (`part` > 0: the rest of the last one, after a pause)."""
+        params = {**sampling, "max_new_tokens": budget, "stop_token_ids": sorted(self.codec.stop_token_ids)}
+        turn = traj.num_assistant_turns - (1 if part else 0)
+        request_id = f"{traj.uid}#{turn}" + (f".{part}" if part else "")
         t0 = time.monotonic()
         try:
             res = await self.router.generate(traj.uid, traj.prompt_ids + traj.response_ids, params, request_id)

@@ -8,8 +8,9 @@ appended and never reconstructed afterwards (nanochat's engine does the same), s
 exactly on the ids the engine returned.
 
 Where it departs from the textbook "prompt + completion" sample: the response is a
-multi-turn sequence with turn boundaries, tool calls, interaction scores and one weight
-version per assistant turn, and the chat messages are kept only to *check* for tokenization
+multi-turn sequence with turn boundaries, tool calls, interaction scores and the weight
+version of every sampled token (one per assistant turn, or one per segment of a turn that a
+weight update split: `TurnSpan.version_changes`), and the chat messages are kept only to *check* for tokenization
 drift (the token ids are the truth, the messages are a log). Every reward the rollout sees is
 recorded with the assistant turn it belongs to, when it is produced (tool step rewards on
 their `ToolCallRecord`, interaction scores as `TurnScore`s), so the recipe places rewards by
@@ -65,6 +66,9 @@ class TurnSpan:
     start: int  # index of the first token of the segment in `response_ids`
     end: int  # one past the last token (response_ids[start:end] is the segment)
     weight_version: int | None = None  # engine weight version that sampled it; None for non-policy segments
+    # (response index, version) where a weight update landed mid-turn (a partial rollout paused and continued it):
+    # the turn's tokens from that index on were sampled by that version. Empty: one version for the whole turn.
+    version_changes: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -138,14 +142,27 @@ class Trajectory:
             self.error = error
         self.status = TrajectoryStatus.DONE
 
-    def append_assistant(self, ids: list[int], logprobs: list[float], weight_version: int) -> None:
-        """Append engine-sampled ids (mask 1) with their log-probs as one assistant turn."""
+    def append_assistant(self, ids: list[int], logprobs: list[float], weight_version: int,
+                         continues: bool = False) -> None:
+        """Append engine-sampled ids (mask 1) with their log-probs as one assistant turn; `continues`: as more of the
+        last assistant turn (generation paused by a weight update, then continued), its version recorded where it
+        changes."""
         if len(ids) != len(logprobs):
             raise ValueError(
                 f"trajectory {self.uid}: engine returned {len(ids)} ids but {len(logprobs)} log-probs; "
                 "ask the engine for return_logprob"
             )
-        self._append(ids, [1] * len(ids), [float(x) for x in logprobs], "assistant", weight_version)
+        if not continues:
+            return self._append(ids, [1] * len(ids), [float(x) for x in logprobs], "assistant", weight_version)
+        span = self.turns[-1]
+        if span.role != "assistant":
+            raise ValueError(f"trajectory {self.uid}: continues=True after a {span.role} segment")
+        if ids and weight_version != self._version_at(span, span.end):
+            span.version_changes.append((len(self.response_ids), weight_version))
+        self.response_ids.extend(int(i) for i in ids)
+        self.response_mask.extend([1] * len(ids))
+        self.rollout_logprobs.extend(float(x) for x in logprobs)
+        span.end = len(self.response_ids)
 
     def append_context(self, ids: list[int], role: str) -> None:
         """Append non-policy ids (tool / user / template tokens) with mask 0 and log-prob 0."""
@@ -169,8 +186,27 @@ class Trajectory:
 
     @property
     def weight_versions(self) -> list[int]:
-        """Weight version of each assistant turn, in order (off-policy turns show as older versions)."""
-        return [t.weight_version for t in self.turns if t.role == "assistant" and t.weight_version is not None]
+        """Weight version of each assistant segment (a turn, or each part of a turn a weight update split), in order
+        (off-policy segments show as older versions)."""
+        return [v for t in self.turns if t.role == "assistant" and t.weight_version is not None
+                for v in [t.weight_version, *(v for _, v in t.version_changes)]]
+
+    def token_versions(self) -> list[int]:
+        """The weight version that sampled each response token; -1 where the loop inserted it (mask 0)."""
+        out = [-1] * len(self.response_ids)
+        for span in self.turns:
+            if span.role == "assistant" and span.weight_version is not None:
+                for i in range(span.start, span.end):
+                    out[i] = self._version_at(span, i)
+        return out
+
+    @staticmethod
+    def _version_at(span: TurnSpan, index: int) -> int | None:
+        version = span.weight_version
+        for start, v in span.version_changes:
+            if index >= start:
+                version = v
+        return version
 
     @property
     def assistant_turn_ends(self) -> list[int]:
@@ -221,7 +257,8 @@ class Trajectory:
         d = dict(d)
         d["status"] = TrajectoryStatus(d["status"])
         d["finish_reason"] = FinishReason(d["finish_reason"]) if d.get("finish_reason") is not None else None
-        d["turns"] = [TurnSpan(**t) for t in d.get("turns", [])]
+        d["turns"] = [TurnSpan(**{**t, "version_changes": [tuple(c) for c in t.get("version_changes", [])]})
+                      for t in d.get("turns", [])]
         d["tool_calls"] = [ToolCallRecord(**c) for c in d.get("tool_calls", [])]
         d["interaction_scores"] = [TurnScore(**s) for s in d.get("interaction_scores", [])]
         return cls(**d)

@@ -98,7 +98,8 @@ class FakeAgentLoop:
         self.seeds: list[int | None] = []  # each generate call's seed
         self.tools = SimpleNamespace(aclose=self._noop)
         self.retried = 0  # no engine faults here (tests/test_faults.py has them)
-        self.router = SimpleNamespace(engines=[], dead={}, on_dead=None, probe=self._probe)
+        self.router = SimpleNamespace(engines=[], dead={}, on_dead=None, probe=self._probe, busy_seconds=lambda: self.busy_s)
+        self.busy_s = 0.0  # seconds "generating" so far (the router's busy_seconds)
         self.engine_version: Callable[[], int] = lambda: 0  # make_trainer: the FakeSync's version
 
     async def _noop(self) -> None:
@@ -108,7 +109,7 @@ class FakeAgentLoop:
         return None
 
     async def generate(self, prompts, greedy: bool = False, seed: int | None = None,
-                       over_sample_rate: float = 0.0) -> list[Trajectory]:
+                       over_sample_rate: float = 0.0, progress: bool = True) -> list[Trajectory]:
         self.events.append("rollout")
         self.seeds.append(seed)
         trajs = []

@@ -78,7 +78,12 @@ trainer.collective_timeout_s trainer.critic_warmup
 actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu actor_rollout_ref.ref.log_prob_use_dynamic_bsz
 actor_rollout_ref.ref.log_prob_max_token_len_per_gpu
 actor_rollout_ref.ref.megatron.tensor_model_parallel_size actor_rollout_ref.ref.megatron.pipeline_model_parallel_size
+async_training.partial_rollout
 async_training.schedule
+async_training.stale_policy
+async_training.staleness_bound
+async_training.staleness_threshold
+async_training.trigger_parameter_sync_step
 """.split()
 
 

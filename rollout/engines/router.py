@@ -12,6 +12,11 @@ decides there whether the engine can be restarted). With every engine dead, rout
 `EngineDeadError` at once instead of waiting. `probe` sends every engine a one-token request
 under a timeout and marks the ones that fail it dead.
 
+`pause` / `resume` bracket a weight update that lands while trajectories run (partial rollout,
+`async_training.partial_rollout`): new requests wait, the ones in flight are aborted and return
+what they sampled with `meta["paused"]`, so their callers continue them, on the new weights, once
+`resume` lets requests through again. `busy_seconds` is the wall time with some request in flight.
+
 Departs from a plain round-robin load balancer: stickiness is per trajectory (not per
 prompt), because the `n` samples of one prompt diverge after the first turn and spreading
 them balances load better than keeping them together.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +47,9 @@ class EngineRouter:
         self._requests: dict[str, int] = {}  # request id in flight -> engine index
         self.dead: dict[int, EngineDeadError] = {}  # engine index -> what killed it (until `revive`)
         self.on_dead: Callable[[int, EngineDeadError], None] | None = None  # told once per death
+        self.paused = False  # between `pause` and `resume`: requests wait
+        self._resumed: asyncio.Event | None = None  # set by `resume` (made in `pause`, on the loop that waits on it)
+        self._busy_s, self._busy_since = 0.0, None  # wall time with a request in flight; when the current spell began
 
     def engine_for(self, trajectory_uid: str) -> int:
         """Index of the engine serving `trajectory_uid` (chosen least-loaded on first use)."""
@@ -92,12 +101,20 @@ class EngineRouter:
     async def generate(
         self, trajectory_uid: str, input_ids: list[int], sampling_params: dict[str, Any], request_id: str
     ) -> GenerateResult:
-        """Run one request on the trajectory's engine."""
+        """Run one request on the trajectory's engine (after `resume`, while paused). A request that `pause` aborted
+        returns finish_reason "abort" with `meta["paused"]` set: the caller continues it after the update."""
+        while self.paused:
+            await self._resumed.wait()
         idx = self.engine_for(trajectory_uid)
+        if not self._requests:
+            self._busy_since = time.monotonic()
         self._inflight[idx] += 1
         self._requests[request_id] = idx
         try:
-            return await self.engines[idx].generate(input_ids, sampling_params, request_id)
+            res = await self.engines[idx].generate(input_ids, sampling_params, request_id)
+            if res.finish_reason == "abort" and self.paused:
+                res.meta["paused"] = True
+            return res
         except EngineDeadError as e:
             self.mark_dead(idx, e)
             raise
@@ -112,6 +129,28 @@ class EngineRouter:
         finally:
             self._inflight[idx] -= 1
             self._requests.pop(request_id, None)
+            if not self._requests:
+                self._busy_s += time.monotonic() - self._busy_since
+
+    def busy_seconds(self) -> float:
+        """Wall time so far with at least one request in flight on some engine."""
+        return self._busy_s + (time.monotonic() - self._busy_since if self._requests else 0.0)
+
+    async def pause(self) -> None:
+        """Hold new requests and abort those in flight; returns once none is in flight (the engines are idle and
+        every paused request's caller holds what it sampled)."""
+        if self._resumed is None or self._resumed.is_set():
+            self._resumed = asyncio.Event()
+        self.paused = True
+        while self._requests:  # an abort can reach an engine before its request does: repeat until none is left
+            await self.abort_all()
+            await asyncio.sleep(0.02)
+
+    def resume(self) -> None:
+        """Let requests through again (after the weight update)."""
+        self.paused = False
+        if self._resumed is not None:
+            self._resumed.set()
 
     async def abort_all(self) -> None:
         """Abort every request in flight on every engine."""

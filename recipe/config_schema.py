@@ -382,6 +382,7 @@ class RolloutPoolConfig:
 
 SCHEDULES = ("sync", "one_step_off", "fully_async")
 STALE_POLICIES = ("drop", "regenerate")
+_FIXED_BOUNDS = {"sync": 0, "one_step_off": 1}  # staleness bounds the schedule itself holds
 
 
 @dataclass
@@ -394,19 +395,22 @@ class AsyncTrainingConfig:
     (every trained token at most one version behind; the engines need their own pool:
     actor_rollout_ref.hybrid_engine=false). fully_async: a streaming rollouter keeps the engines full, prompt group
     after prompt group, and each step trains on the first data.train_batch_size groups to finish (own pool too)."""
-    staleness_threshold: float = 0.5
-    """fully_async (verl's key and meaning): how far the rollouter may run ahead of the trainer. At most
+    staleness_threshold: float = 0.1
+    """fully_async (verl's key, meaning and default): how far the rollouter may run ahead of the trainer. At most
     (1 + staleness_threshold) x trigger_parameter_sync_step x data.train_batch_size prompt groups are started and not
     yet taken by the trainer."""
     trigger_parameter_sync_step: int = 1
-    """fully_async (verl's key): trainer steps between two weight syncs into the engines."""
+    """fully_async (verl's key): trainer steps between two weight syncs into the engines. A step here trains on
+    data.train_batch_size groups (verl's fully async trainer steps on require_batches mini-batches, hence its
+    default of 4)."""
     partial_rollout: bool = True
     """fully_async (verl's key): at a weight sync, generations in flight are paused and continue on the new weights
     (their turn's tokens then carry two versions); false: the sync waits for every started group to finish."""
     staleness_bound: int | None = None
     """How many weight versions behind the actor a trained token may have been sampled; a prompt group with an older
     token is handled by stale_policy and counted (rollout/staleness/*). None: the schedule's own bound (sync 0,
-    one_step_off 1, fully_async 1 + trigger_parameter_sync_step); only fully_async may set another."""
+    one_step_off 1, fully_async 2 x trigger_parameter_sync_step: a group may have started two syncs ago); only
+    fully_async may set another."""
     stale_policy: str = "drop"
     """What happens to a prompt group past the staleness bound: drop (not trained on) or regenerate (fully_async: its
     prompt is rolled out again, first in line)."""
@@ -425,7 +429,8 @@ class AsyncTrainingConfig:
         if self.schedule != "fully_async":
             if self.staleness_bound is not None:
                 raise ConfigError(f"async_training.staleness_bound is fixed by async_training.schedule={self.schedule} "
-                                  f"({self.bound}); drop the key, or use async_training.schedule=fully_async")
+                                  f"({_FIXED_BOUNDS[self.schedule]}); drop the key, or use "
+                                  "async_training.schedule=fully_async")
             if self.stale_policy == "regenerate":
                 raise ConfigError(f"async_training.stale_policy=regenerate needs async_training.schedule=fully_async "
                                   f"(in {self.schedule} no token passes its bound); drop the key")
@@ -437,7 +442,7 @@ class AsyncTrainingConfig:
         """The staleness bound in weight versions (`staleness_bound`, or the schedule's own)."""
         if self.staleness_bound is not None:
             return self.staleness_bound
-        return {"sync": 0, "one_step_off": 1}.get(self.schedule, 1 + self.trigger_parameter_sync_step)
+        return _FIXED_BOUNDS.get(self.schedule, 2 * self.trigger_parameter_sync_step)
 
     @property
     def separate_pool(self) -> bool:

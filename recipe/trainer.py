@@ -317,7 +317,7 @@ class Trainer:
         t0 = time.monotonic()
         while counts["kept"] < want:
             if fg.enable and 0 < fg.max_num_gen_batches and counts["taken"] >= fg.max_num_gen_batches * want:
-                break
+                raise self._too_uniform(step, counts["kept"], fg.max_num_gen_batches)
             try:
                 prompt, group = stream.take(self.cfg.trainer.rollout_timeout_s, check=self._raise_if_fatal)
             except (RolloutStopped, TimeoutError) as e:
@@ -597,16 +597,17 @@ class Trainer:
         if self._fatal is not None:
             raise self._fatal
 
-    def _heal_engines(self) -> None:
-        """Probe every engine; restart each dead one on its bundle, then sync it to the current weight version
-        with the checksum check before the router uses it again (RunFailed when it has no restart left)."""
+    def _heal_engines(self, version: int | None = None) -> dict[str, float]:
+        """Probe every engine; restart each dead one on its bundle, then sync the engines to `version` (default:
+        the current weight version) with the checksum check before the router uses it again (RunFailed when it has
+        no restart left); the sync's metrics (none when every engine was alive)."""
         router, r = self.agent_loop.router, self.cfg.actor_rollout_ref.rollout
         self._raise_if_fatal()
         self._run(router.probe(r.engine_health_timeout_s))
         self._raise_if_fatal()
         dead = sorted(router.dead)
         if not dead:
-            return
+            return {}
         engines = [router.engines[i] for i in dead]
         for idx, engine in zip(dead, engines):
             self.engine_restarts[idx] += 1
@@ -617,12 +618,13 @@ class Trainer:
                 engine.restart()
             except Exception as e:
                 raise RunFailed(f"engine {engine.name}: restart failed: {type(e).__name__}: {e}") from e
+        version = self.weight_version if version is None else version
         self.workers.weight_sync.forget_groups(engines)
-        self.workers.weight_sync.sync(self.weight_version, check=True)
+        metrics = self.workers.weight_sync.sync(version, check=True)
         for idx, engine in zip(dead, engines):
             router.revive(idx)
-            logger.warning("engine %s restarted, synced to weight version %d and checked", engine.name,
-                           self.weight_version)
+            logger.warning("engine %s restarted, synced to weight version %d and checked", engine.name, version)
+        return metrics
 
     def _skip_step(self, step: int, rolled: list[Trajectory], metrics: dict[str, float]) -> dict[str, float]:
         """Log a step that trains nothing; RunFailed when it is the trainer.max_failed_steps-th in a row."""
@@ -657,7 +659,7 @@ class Trainer:
         """Dynamic sampling (`algorithm.filter_groups`): keep the groups whose samples differ in the metric, rolling
         out further prompt batches (from `more`) until `data.train_batch_size` groups are kept or
         `max_num_gen_batches` batches were rolled out. Returns (every trajectory rolled out, those of the first
-        `train_batch_size` kept groups, metrics)."""
+        `train_batch_size` kept groups, metrics); RunFailed when the limit is reached first."""
         fg, want = self.cfg.algorithm.filter_groups, self.cfg.data.train_batch_size
         everything, batch, gens = list(rolled), rolled, 1
         kept: list[list[Trajectory]] = []
@@ -676,6 +678,8 @@ class Trainer:
                                   over_sample_rate=self.cfg.actor_rollout_ref.rollout.over_sample_rate, heal=heal)
             everything += batch
             gens += 1
+        if len(kept) < want:
+            raise self._too_uniform(step, len(kept), gens)
         metrics = {"rollout/filter_groups/kept_groups": float(min(len(kept), want)),
                    "rollout/filter_groups/dropped_groups": float(dropped), "rollout/filter_groups/gen_batches": float(gens)}
         return everything, [t for group in kept[:want] for t in group], metrics
@@ -688,6 +692,15 @@ class Trainer:
             if any(t.response_mask) and t.finish_reason is not FinishReason.OVER_SAMPLED:
                 groups.setdefault(t.prompt_uid, []).append(t)
         return list(groups.values())
+
+    def _too_uniform(self, step: int, kept: int, gens: int) -> RunFailed:
+        """Dynamic sampling ran out of prompt batches (verl stops the run there too)."""
+        fg = self.cfg.algorithm.filter_groups
+        return RunFailed(f"step {step}: dynamic sampling kept {kept} of data.train_batch_size="
+                         f"{self.cfg.data.train_batch_size} groups with a {fg.metric} spread in {gens} prompt batches "
+                         f"(algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches}): most prompts' samples "
+                         "all score the same (data too hard or too easy for the policy); raise the limit (0: none) or "
+                         "change the data")
 
     def _has_signal(self, group: list[Trajectory]) -> bool:
         """Dynamic sampling: whether the group's samples differ in `algorithm.filter_groups.metric`."""
@@ -721,9 +734,19 @@ class Trainer:
 
     def sync_weights(self) -> dict[str, float]:
         """Actor weights -> every engine (recipe.weight_sync) under the version that counts the actor's updates; its
-        metrics."""
-        metrics = self.workers.weight_sync.sync(self.weight_version + self.unsynced_updates)
-        self.weight_version, self.unsynced_updates = self.weight_version + self.unsynced_updates, 0
+        metrics. A sync that fails because an engine died restarts it and syncs every engine again, checked
+        (`_heal_engines`); any other failure is raised."""
+        version = self.weight_version + self.unsynced_updates
+        try:
+            metrics = self.workers.weight_sync.sync(version)
+        except Exception as e:
+            self._run(self.agent_loop.router.probe(self.cfg.actor_rollout_ref.rollout.engine_health_timeout_s))
+            if not self.agent_loop.router.dead:
+                raise
+            logger.warning("the weight sync to version %d failed (%s: %s) with an engine dead; restarting it and "
+                           "syncing again", version, type(e).__name__, (str(e).splitlines() or [""])[0])
+            metrics = self._heal_engines(version)
+        self.weight_version, self.unsynced_updates = version, 0
         return metrics
 
     def _run(self, coro: Any) -> Any:

@@ -52,9 +52,9 @@ class RegexSteeredEngine:
         return self.engine.num_inflight
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], request_id: str) -> GenerateResult:
-        uid, turn = request_id.rsplit("#", 1)
+        uid, turn = request_id.rsplit("#", 1)  # "<uid>#<turn>", or "<uid>#<turn>.<part>" after a pause
         params = dict(sampling_params)
-        regex = self.regexes[min(int(turn), len(self.regexes) - 1)]
+        regex = self.regexes[min(int(turn.split(".")[0]), len(self.regexes) - 1)]
         if regex is not None:
             params["regex"] = regex
         self.inputs[uid].append(list(input_ids))
@@ -168,3 +168,36 @@ def test_abort_mid_generation_on_sglang(sglang_engine, tokenizer):
     assert metrics["rollout/tool/calc_gsm8k_reward/instances_live"] == 0
     assert metrics["rollout/interaction/gsm8k/instances_live"] == 0
     assert metrics["rollout/finish/aborted"] == 2
+
+
+def test_a_weight_update_mid_turn_continues_the_turn_on_sglang(sglang_engine, tokenizer, tiny_model_dir):
+    """Contract (partial rollout): the router's pause aborts the requests in flight on the real engine, which return
+    what they sampled under the old version; new weights land while paused; after resume the same turn continues
+    on them. The turn is one assistant span whose tokens carry the old version up to where the update landed and
+    the new one after it, and the continuation was asked to extend exactly the tokens sampled so far."""
+    steered = RegexSteeredEngine(sglang_engine, [r"[a-z ]{5000,}"])  # no turn ends before its 400-token budget
+    loop = _loop(steered, tokenizer)
+    before = sglang_engine.weight_version
+
+    async def run():
+        task = asyncio.ensure_future(loop.generate([_gsm8k_prompt("p0")]))
+        while sglang_engine.num_inflight < 2:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        await loop.router.pause()
+        assert sglang_engine.num_inflight == 0
+        sglang_engine.update_weights_from_disk(str(tiny_model_dir), weight_version=before + 1)
+        loop.router.resume()
+        return await task
+
+    out = asyncio.run(run())
+    for traj in out:
+        first, rest = steered.returned[traj.uid]
+        cut = len(first.output_ids)
+        assert first.finish_reason == "abort" and 0 < cut < 400 and first.weight_version == before
+        assert rest.weight_version == before + 1
+        assert traj.finish_reason is FinishReason.LENGTH and len(traj.response_ids) == 400
+        assert [s.role for s in traj.turns] == ["assistant"] and traj.turns[0].version_changes == [(cut, before + 1)]
+        assert traj.token_versions() == [before] * cut + [before + 1] * (400 - cut)
+        assert traj.response_ids == first.output_ids + rest.output_ids and traj.response_mask == [1] * 400
+        assert steered.inputs[traj.uid][1] == traj.prompt_ids + first.output_ids

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from recipe.algos import AlgorithmConfig
+from recipe.trainer import RunFailed
 from tests.test_colocate import FakeAgentLoop, make_trainer
 
 pytestmark = pytest.mark.unit
@@ -48,17 +49,18 @@ def test_uniform_groups_dropped_and_the_batch_refilled(tmp_path):
     trainer.close()
 
 
-def test_generation_limit_trains_on_what_it_kept(tmp_path):
-    """Contract: max_num_gen_batches bounds the batches rolled out per step; the step then trains on the groups it
-    kept (here 2 of 4) instead of looping on."""
+def test_generation_limit_stops_the_run_when_the_data_cannot_fill_the_batch(tmp_path):
+    """Contract (verl's behaviour): max_num_gen_batches bounds the batches rolled out per step; reaching it with fewer
+    than train_batch_size groups kept (here 2 of 4) stops the run with one line naming the key, before any update."""
     trainer, events = make_trainer(tmp_path, ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score",
                                               "algorithm.filter_groups.max_num_gen_batches=2"], colocated=False,
                                    loop_cls=MixedAgentLoop)
     more = batches(["a-mixed", "b", "c", "d"], ["e-mixed"])
-    metrics = trainer.step(SimpleNamespace(prompts=["p0-mixed", "p1", "p2", "p3"], epoch=0), 1, more=more)
-    assert events.count("rollout") == 2
-    assert trainer.workers.actor.batches["update_policy"]["responses"].shape[0] == 4
-    assert metrics["rollout/filter_groups/kept_groups"] == 2
+    with pytest.raises(RunFailed, match=r"step 1: dynamic sampling kept 2 of data.train_batch_size=4 groups with a "
+                                        r"score spread in 2 prompt batches \(algorithm.filter_groups.max_num_gen_"
+                                        r"batches=2\)"):
+        trainer.step(SimpleNamespace(prompts=["p0-mixed", "p1", "p2", "p3"], epoch=0), 1, more=more)
+    assert events.count("rollout") == 2 and "update_policy" not in trainer.workers.actor.batches
     trainer.close()
 
 

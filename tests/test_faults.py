@@ -220,6 +220,46 @@ def test_a_dead_engine_is_restarted_synced_and_checked_until_its_restarts_run_ou
     assert dying.restarts == 1
 
 
+class DyingSync(SyncRecorder):
+    """A weight sync during which `engine` dies (its first sync raises, as Ray's ActorDiedError would)."""
+
+    def __init__(self, engine: FaultyEngine, fail: bool = True) -> None:
+        super().__init__()
+        self.engine, self.fail = engine, fail
+
+    def sync(self, version: int, *, check: bool | None = None) -> dict[str, float]:
+        super().sync(version, check=check)
+        if self.fail:
+            self.fail, self.engine.dead = False, True
+            raise RuntimeError(f"ActorDiedError: the actor of {self.engine.name} died")
+        return {"weight_sync/seconds": 0.0}
+
+
+def test_an_engine_dead_at_the_weight_sync_is_restarted_and_every_engine_synced_again(tokenizer, tmp_path):
+    """Contract (issue 17): an engine that dies outside a rollout, during the weight sync, is found by a probe,
+    restarted and the sync redone on every engine with the checksum check, under the new version; a sync that fails
+    with every engine alive is raised; with no restart left the run stops naming the engine and the key."""
+    dying, live = FaultyEngine(tokenizer, _answer, "engine0"), FaultyEngine(tokenizer, _answer, "engine1")
+    trainer, _, _ = _trainer(tokenizer, [dying, live], **{
+        "trainer.default_local_dir": tmp_path, "actor_rollout_ref.rollout.max_engine_restarts": 1})
+    sync = trainer.workers.weight_sync = DyingSync(dying)
+    trainer.unsynced_updates = 1
+    metrics = trainer.sync_weights()
+    assert sync.calls == [("sync", 1, None), ("forget_groups", ["engine0"]), ("sync", 1, True)]
+    assert dying.restarts == 1 and trainer.weight_version == 1 and not trainer.agent_loop.router.dead
+    assert metrics == {"weight_sync/seconds": 0.0} and trainer.faults["fault/engine_restarts"] == 1
+    sync.fail, sync.engine = True, FaultyEngine(tokenizer, _answer, "bystander")  # fails, every engine alive
+    trainer.unsynced_updates = 1
+    with pytest.raises(RuntimeError, match="ActorDiedError: the actor of bystander"):
+        trainer.sync_weights()
+    assert trainer.weight_version == 1
+    sync.fail, sync.engine = True, dying  # dies again: its one restart is used
+    with pytest.raises(RunFailed, match=r"engine engine0: .*all 1 restarts used \(actor_rollout_ref.rollout."
+                                        r"max_engine_restarts=1\)"):
+        trainer.sync_weights()
+    assert dying.restarts == 1
+
+
 def test_with_no_restart_allowed_a_dead_engine_stops_the_rollout_at_once(tokenizer, tmp_path):
     """Contract: with max_engine_restarts=0 the first engine death aborts the rollout (a trajectory that would
     never end on the live engine is not waited for) and stops the run naming the engine; nothing trains."""

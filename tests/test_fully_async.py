@@ -339,6 +339,37 @@ def test_a_fully_async_checkpoint_keeps_finished_groups_and_rolls_out_the_rest_f
     assert {p.uid for p, _ in finished[:4]} <= first and resumed.global_step == 3
 
 
+def _mixed(uid: str, turn: int) -> str:
+    """Groups of even prompts: sample 0 right, the others wrong; groups of odd prompts: all wrong (no signal)."""
+    prompt, sample = uid.rsplit("/", 1)
+    right = int(prompt.split("/")[1]) % 2 == 0 and sample == "0"
+    return [_call("add", a=2, b=2), "So it is #### " + ("4" if right else "5")][turn]
+
+
+def test_fully_async_dynamic_sampling_keeps_groups_with_a_signal_as_they_finish(tokenizer, tmp_path, monkeypatch):
+    """Contract: with algorithm.filter_groups on, each fully_async step trains on exactly train_batch_size groups
+    whose scores differ, taking finished groups until it has them; a limit reached short of the batch stops the
+    run naming the key."""
+    overrides = ["trainer.total_training_steps=3", "algorithm.filter_groups.enable=true",
+                 "algorithm.filter_groups.metric=score"]
+    trainer, _ = _fully_async_trainer(tokenizer, tmp_path, overrides, AddTool())
+    trainer.agent_loop.router.engines[0].policy = _mixed
+    seen = _record_trained(monkeypatch, trainer)
+    trainer.fit(_batches(100))
+    trainer.close()
+    assert [len({t.prompt_uid for t in trajs}) for _, trajs in seen] == [4, 4, 4]
+    assert all(int(t.prompt_uid.split("/")[1]) % 2 == 0 for _, trajs in seen for t in trajs)
+    assert all(m["rollout/filter_groups/dropped_groups"] >= 1 for m in trainer.tracker.metrics.values())
+
+    trainer, _ = _fully_async_trainer(tokenizer, tmp_path, [*overrides, "algorithm.filter_groups.max_num_gen_batches=1"],
+                                      AddTool())
+    trainer.agent_loop.router.engines[0].policy = _mixed
+    with pytest.raises(trainer_module.RunFailed, match=r"dynamic sampling kept 2 of data.train_batch_size=4 groups "
+                                                       r".*max_num_gen_batches=1"):
+        trainer.fit(_batches(100))
+    trainer.close()
+
+
 def test_fully_async_refusals(tmp_path):
     """Contract: fully_async needs the engines on their own pool; stale_policy=regenerate and a staleness_bound
     need fully_async."""

@@ -59,7 +59,7 @@ class FilterGroupsConfig:
     (the weighted total reward); required when enabled."""
     max_num_gen_batches: int = 0
     """Prompt batches rolled out per step at most, the first included; 0: no limit (verl's meaning). A step that
-    reaches the limit trains on the groups it has."""
+    reaches the limit with fewer than data.train_batch_size groups stops the run (as verl does)."""
 
     def __post_init__(self) -> None:
         if self.enable and self.metric not in FILTER_METRICS:

@@ -216,7 +216,12 @@ class StreamingRollouter:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _group(self, prompt: RolloutPrompt) -> None:
-        trajs = await self.agent_loop.generate([prompt], seed=self.seed, progress=False)
+        try:
+            trajs = await self.agent_loop.generate([prompt], seed=self.seed, progress=False)
+        except Exception as e:  # noqa: BLE001 - a prompt the loop refuses: handed to the trainer by `take`
+            logger.exception("prompt %s could not be rolled out", prompt.uid)
+            self._error = e
+            return
         if self._stopped:
             return
         del self._inflight[prompt.uid]

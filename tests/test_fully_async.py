@@ -370,6 +370,18 @@ def test_fully_async_dynamic_sampling_keeps_groups_with_a_signal_as_they_finish(
     trainer.close()
 
 
+def test_a_prompt_the_loop_refuses_stops_a_fully_async_run(tokenizer, tmp_path):
+    """Contract: a prompt group that cannot be rolled out (its row names a tool that is not registered) stops the
+    run with one line naming the cause, instead of a trainer waiting for a group that never comes."""
+    from recipe.data.dataset import PromptBatch
+
+    trainer, _ = _fully_async_trainer(tokenizer, tmp_path, ["trainer.total_training_steps=2"], AddTool())
+    bad = iter([PromptBatch([_prompt(f"b0/{j}", tools_kwargs={"nope": {}}) for j in range(4)], epoch=0)] * 3)
+    with pytest.raises(trainer_module.RunFailed, match=r"step 1: the rollouter stopped: .*nope"):
+        trainer.fit(bad)
+    trainer.close()
+
+
 def test_fully_async_refusals(tmp_path):
     """Contract: fully_async needs the engines on their own pool; stale_policy=regenerate and a staleness_bound
     need fully_async."""

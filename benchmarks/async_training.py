@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import rollout_overlap
 from rollout.engines.base import GenerateResult
 from rollout.tools.base import BaseTool
 from rollout.tools.schemas import OpenAIFunctionToolSchema
@@ -94,28 +95,17 @@ class WaitTool(BaseTool):
         return "ok", 0.0, {}
 
 
-class SteeredEngine:
+class SteeredEngine(rollout_overlap.SteeredEngine):
     """An engine client with the workload's regex of each turn added to its requests (health probes untouched)."""
 
     def __init__(self, engine: Any) -> None:
-        self.engine, self.name = engine, engine.name
-
-    @property
-    def weight_version(self) -> int:
-        return self.engine.weight_version
-
-    @property
-    def num_inflight(self) -> int:
-        return self.engine.num_inflight
+        super().__init__(engine, WORK)
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], request_id: str) -> GenerateResult:
         if "#" in request_id:  # "<traj uid>#<turn>[.<part after a pause>]"
             traj, turn = request_id.rsplit("#", 1)
             sampling_params = dict(sampling_params, regex=WORK.regex(traj, int(turn.split(".")[0])))
         return await self.engine.generate(input_ids, sampling_params, request_id)
-
-    async def abort(self, request_id: str) -> None:
-        await self.engine.abort(request_id)
 
 
 class Recorder:
@@ -189,8 +179,7 @@ def _train(schedule: str, steps: int, out: Path, args: argparse.Namespace, prepa
     trainer = Trainer(cfg, workers, loop, tracker)
     if start.is_dir():
         workers.actor.call_all("load_checkpoint", str(start))
-    trainer.weight_version, trainer.unsynced_updates = -1, 1
-    trainer.sync_weights()  # the engines at version 0, with the starting weights
+    trainer.sync_weights(0)  # the engines at version 0, with the starting weights
     batches = prepared.dataset.batches(cfg.data.train_batch_size, seed=args.seed, shuffle=True)
     t0, busy0 = time.monotonic(), loop.router.busy_seconds()
     trainer.fit(batches)

@@ -436,9 +436,7 @@ class Trainer:
             raise ValueError(f"{directory}: after {state.batches_consumed} prompt batches the sampler is in epoch "
                              f"{self.epoch}, the checkpoint says {state.epoch}; resume with the same data.train_files, "
                              "data.train_batch_size, data.shuffle and trainer.seed")
-        self.weight_version = state.weight_version - 1  # sync_weights publishes the next version: the saved one
-        self.unsynced_updates = 1
-        self.sync_weights()
+        self.sync_weights(state.weight_version)
         logger.info("resumed from %s: step %d, weight version %d", directory, self.global_step, self.weight_version)
 
     def step(self, prompts: PromptBatch, step: int, more: Callable[[], PromptBatch] | None = None) -> dict[str, float]:
@@ -597,17 +595,17 @@ class Trainer:
         if self._fatal is not None:
             raise self._fatal
 
-    def _heal_engines(self, version: int | None = None) -> dict[str, float]:
+    def _heal_engines(self, version: int | None = None) -> dict[str, float] | None:
         """Probe every engine; restart each dead one on its bundle, then sync the engines to `version` (default:
         the current weight version) with the checksum check before the router uses it again (RunFailed when it has
-        no restart left); the sync's metrics (none when every engine was alive)."""
+        no restart left); the sync's metrics (None when every engine was alive)."""
         router, r = self.agent_loop.router, self.cfg.actor_rollout_ref.rollout
         self._raise_if_fatal()
         self._run(router.probe(r.engine_health_timeout_s))
         self._raise_if_fatal()
         dead = sorted(router.dead)
         if not dead:
-            return {}
+            return None
         engines = [router.engines[i] for i in dead]
         for idx, engine in zip(dead, engines):
             self.engine_restarts[idx] += 1
@@ -732,20 +730,19 @@ class Trainer:
                                                            "responses", "response_mask")}
         return concat_results(group.dispatch(method, inputs))
 
-    def sync_weights(self) -> dict[str, float]:
-        """Actor weights -> every engine (recipe.weight_sync) under the version that counts the actor's updates; its
-        metrics. A sync that fails because an engine died restarts it and syncs every engine again, checked
-        (`_heal_engines`); any other failure is raised."""
-        version = self.weight_version + self.unsynced_updates
+    def sync_weights(self, version: int | None = None) -> dict[str, float]:
+        """Actor weights -> every engine (recipe.weight_sync) under `version` (default: the version that counts the
+        actor's updates); its metrics. A sync that fails because an engine died restarts it and syncs every engine
+        again, checked (`_heal_engines`); any other failure is raised."""
+        version = self.weight_version + self.unsynced_updates if version is None else version
         try:
             metrics = self.workers.weight_sync.sync(version)
         except Exception as e:
-            self._run(self.agent_loop.router.probe(self.cfg.actor_rollout_ref.rollout.engine_health_timeout_s))
-            if not self.agent_loop.router.dead:
+            metrics = self._heal_engines(version)  # probes first: None when every engine is alive
+            if metrics is None:
                 raise
-            logger.warning("the weight sync to version %d failed (%s: %s) with an engine dead; restarting it and "
-                           "syncing again", version, type(e).__name__, (str(e).splitlines() or [""])[0])
-            metrics = self._heal_engines(version)
+            logger.warning("the weight sync to version %d had failed with an engine dead (%s: %s); synced again",
+                           version, type(e).__name__, (str(e).splitlines() or [""])[0])
         self.weight_version, self.unsynced_updates = version, 0
         return metrics
 

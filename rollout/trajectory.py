@@ -159,9 +159,7 @@ class Trajectory:
             raise ValueError(f"trajectory {self.uid}: continues=True after a {span.role} segment")
         if ids and weight_version != self._version_at(span, span.end):
             span.version_changes.append((len(self.response_ids), weight_version))
-        self.response_ids.extend(int(i) for i in ids)
-        self.response_mask.extend([1] * len(ids))
-        self.rollout_logprobs.extend(float(x) for x in logprobs)
+        self._extend(ids, [1] * len(ids), [float(x) for x in logprobs])
         span.end = len(self.response_ids)
 
     def append_context(self, ids: list[int], role: str) -> None:
@@ -172,10 +170,13 @@ class Trajectory:
 
     def _append(self, ids: list[int], mask: list[int], logprobs: list[float], role: str, version: int | None) -> None:
         start = len(self.response_ids)
+        self._extend(ids, mask, logprobs)
+        self.turns.append(TurnSpan(role=role, start=start, end=len(self.response_ids), weight_version=version))
+
+    def _extend(self, ids: list[int], mask: list[int], logprobs: list[float]) -> None:
         self.response_ids.extend(int(i) for i in ids)
         self.response_mask.extend(mask)
         self.rollout_logprobs.extend(logprobs)
-        self.turns.append(TurnSpan(role=role, start=start, end=len(self.response_ids), weight_version=version))
 
     # ---- reading -----------------------------------------------------------------------
 

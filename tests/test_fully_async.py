@@ -25,6 +25,7 @@ from rollout.engines.base import GenerateResult
 from rollout.trajectory import FinishReason, Trajectory
 from tests.test_agent_loop import AddTool, ScriptedUser, _call, _loop, _prompt
 from tests.test_colocate import FakeGroup
+from tests.test_schedules import Recorder
 
 pytestmark = pytest.mark.unit
 
@@ -204,19 +205,6 @@ class LongTailTool(AddTool):
     async def execute(self, instance_id, parameters, **kwargs):
         await asyncio.sleep(1.2 if self.rng.random() < 1 / 6 else 0.01)
         return await super().execute(instance_id, parameters, **kwargs)
-
-
-class Recorder:
-    run_id = None
-
-    def __init__(self) -> None:
-        self.metrics: dict[int, dict] = {}
-
-    def log(self, metrics, step) -> None:
-        self.metrics.setdefault(step, {}).update(metrics)
-
-    def log_table(self, *args) -> None: ...
-    def finish(self) -> None: ...
 
 
 def _answer(uid: str, turn: int) -> str:

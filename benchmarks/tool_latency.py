@@ -7,9 +7,13 @@ The `python` tool of `--config` (its limits and isolation, as training uses it) 
 bursts of `c` concurrent calls are timed: cold with `pool_size: 0`, then warm with `pool_size: c`, the pool
 refilled before each burst (a rollout's tool calls come in bursts between generation turns; `refill_s`
 is how long the pool took to refill after the largest burst). Each burst's latency is per call (the
-runner's `execute`); `cpu_s_per_call` is the CPU time of this process and every sandbox it reaped
-(`RUSAGE_SELF` + `RUSAGE_CHILDREN`) over the calls, so the warm figure includes starting the sandbox it
-used, ahead of time. At least `--calls` calls and two bursts are timed per level and mode.
+runner's `execute`). `cpu_s_per_call` is the machine's CPU time (from /proc/stat: every process, and the
+kernel's teardown of the sandboxes' namespaces, which no rusage counts) from the first burst until the
+machine settles after the last, per call; the warm figure therefore includes starting and tearing down
+the sandbox each call used, ahead of or after it, and any other load on the machine. Before each burst the
+machine is given up to 5 s to settle (the kernel tears namespaces down after their processes are gone). At
+least `--calls` calls and four bursts are timed per level and mode: a burst that meets a pause of the host
+process (a full garbage collection takes tens of ms here) moves a two-burst median by half a burst.
 
 The machine's 1-minute load average is recorded before and after (`load_1m_start`, `load_1m_end`): the
 figures mean little without it on a shared machine.
@@ -27,7 +31,6 @@ import json
 import logging
 import math
 import os
-import resource
 import shutil
 import time
 from pathlib import Path
@@ -55,12 +58,20 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def cpu_s() -> float:
-    """CPU seconds of this process and of every child process it has reaped."""
-    total = 0.0
-    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
-        usage = resource.getrusage(who)
-        total += usage.ru_utime + usage.ru_stime
-    return total
+    """CPU seconds the whole machine has been busy (every core, user and kernel time; /proc/stat)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:7]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+async def settle(max_wait_s: float = 5.0, window_s: float = 0.1) -> None:
+    """Wait until the machine is below a quarter of a core busy over `window_s`, at most `max_wait_s`."""
+    deadline = time.monotonic() + max_wait_s
+    while time.monotonic() < deadline:
+        before = cpu_s()
+        await asyncio.sleep(window_s)
+        if cpu_s() - before < 0.25 * window_s:
+            return
 
 
 def tool_entry(config_path: Path, pool_size: int) -> dict[str, Any]:
@@ -85,6 +96,7 @@ async def measure(config_path: Path, level: int, bursts: int, warm: bool) -> dic
         async with runner.session() as iid:  # starts the pool filling (the python tool's `create`)
             if pool is not None and not await asyncio.to_thread(pool.wait_ready, 600):
                 raise RuntimeError(f"the sandbox pool did not fill {level} workers within 600 s")
+            await settle()
             cpu_start = cpu_s()
 
             async def call() -> float:
@@ -96,13 +108,18 @@ async def measure(config_path: Path, level: int, bursts: int, warm: bool) -> dic
                     raise RuntimeError("a warm call found the pool empty; the figure would mix cold calls in")
                 return time.perf_counter() - start
 
-            for _ in range(bursts):
-                latencies += await asyncio.gather(*(call() for _ in range(level)))
+            for burst in range(bursts):
+                if burst:
+                    await settle()
+                times = await asyncio.gather(*(call() for _ in range(level)))
+                logger.debug("burst %d of %d: p50 %.1f ms", burst + 1, level, 1000 * percentile(times, 0.5))
+                latencies += times
                 if pool is not None:
                     refill_start = time.perf_counter()
                     if not await asyncio.to_thread(pool.wait_ready, 600):
                         raise RuntimeError("the sandbox pool did not refill within 600 s")
                     refill_s = max(refill_s, time.perf_counter() - refill_start)
+            await settle()
             cpu_per_call = (cpu_s() - cpu_start) / len(latencies)
     finally:
         await registry.aclose()
@@ -121,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     levels = [1, 4] if args.smoke else sorted(args.levels)
     out: dict[str, Any] = {"load_1m_start": os.getloadavg()[0]}
     for level in levels:
-        bursts = 1 if args.smoke else max(2, math.ceil(args.calls / level))
+        bursts = 1 if args.smoke else max(4, math.ceil(args.calls / level))
         for mode in ("cold", "warm"):
             figures = asyncio.run(measure(args.config, level, bursts, warm=mode == "warm"))
             logger.info("%s c=%d: %d calls, p50 %.1f ms, p99 %.1f ms, %.3f CPU-s per call", mode, level,

@@ -344,6 +344,48 @@ def test_concurrent_runs_get_distinct_unprivileged_uids(isolation, python_runner
     assert [r.metrics["uid"] for r in results] == uids
 
 
+ENDINGS = {  # code -> (exit code, stdout, the end of stderr)
+    "print('done')": (0, "done", ""),
+    "import sys\nprint('out')\nsys.exit(3)": (3, "out", ""),
+    "import sys\nsys.exit(130)": (130, "", ""),
+    "import sys\nsys.exit('bad input')": (1, "", "bad input"),
+    "def f():\n    raise ValueError('boom')\nf()": (1, "", 'File "<stdin>", line 3, in <module>\n  File "<stdin>", '
+                                                        "line 2, in f\nValueError: boom"),
+    "def f(:\n    pass": (1, "", "SyntaxError: invalid syntax"),
+    "import os\nprint('kept', flush=True)\nos._exit(7)": (7, "kept", ""),
+    "import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.3), print('joined'))).start()": (0, "joined", ""),
+    "import atexit\natexit.register(print, 'at exit')\nprint('first')": (0, "first\nat exit", ""),
+    "import os\nif os.fork() == 0:\n    print('child')\nelse:\n    os.wait()\n    print('parent')": (0, "child\nparent", ""),
+    "print(input())": (1, "", "EOFError: EOF when reading a line"),
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("isolation", MODES)
+def test_a_run_ends_as_the_interpreter_would(isolation, python_runner):
+    """The result comes back when the code ends (before the sandbox is torn down) and is what `python` gives:
+    SystemExit's status or message, a traceback of the code's own frames only, non-daemon threads joined,
+    atexit handlers run, a forked child that returns from the code ending without cutting its parent short,
+    `os._exit`'s status with the output before it, and no stdin."""
+    runner = python_runner(isolation)
+
+    async def go():
+        async def one(code):
+            async with runner.session() as iid:
+                return await runner.execute(iid, {"code": code})
+
+        return await asyncio.gather(*(one(code) for code in ENDINGS))
+
+    for (code, (exit_code, stdout, stderr_end)), result in zip(ENDINGS.items(), asyncio.run(go())):
+        assert result.metrics["exit_code"] == exit_code, (code, result.text)
+        out = result.text.split("stdout:\n", 1)[1].split("\nstderr:\n")[0].rstrip("\n") if stdout else ""
+        assert out == stdout, (code, result.text)
+        err = result.text.split("stderr:\n", 1)[1].rstrip("\n") if "stderr:\n" in result.text else ""
+        assert err.endswith(stderr_end) and "_polyturn" not in err and "<warm>" not in err, (code, result.text)
+        assert not result.metrics.get("timed_out"), (code, result.text)
+    assert survivors(runner) == set()
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("isolation", MODES)
 def test_output_printed_before_a_kill_is_kept(isolation, python_runner):
@@ -592,21 +634,33 @@ def test_closing_the_pool_leaves_no_process(isolation, pool_loop, python_runner)
 
 @pytest.mark.integration
 @needs_namespaces
-def test_idle_workers_die_with_their_owner(pool_loop):
-    """No orphans even without close: when the process owning a full pool is killed, its idle workers read
-    end-of-file for their code and exit."""
+def test_workers_die_with_their_owner(pool_loop):
+    """No orphans even without close: when the process owning a pool is killed, its workers exit on the
+    end-of-file of their stdin. Killed here: a full pool's idle workers, a used worker that waits for its
+    teardown (held back by a call still running; the child process its code left behind dies with it) and
+    that running call's worker, once its code ends."""
     if not AS_ROOT:
         pytest.skip("processes are identified by the sandbox uid, drawn only when privileges are dropped")
     low = random.randrange(10_000_000, 900_000_000)
     owner = f"""
-import os, sys
+import asyncio, os
+from rollout.tools import sandbox_pool
 from rollout.tools.sandbox import Sandbox
-from rollout.tools.sandbox_pool import SandboxPool
-pool = SandboxPool(Sandbox(uid_range=({low}, {low + 1000})), 3)
+sandbox_pool._QUIET_WAIT_S = 600  # the upkeep waits for the running call: the used worker stays
+pool = sandbox_pool.SandboxPool(Sandbox(uid_range=({low}, {low + 1000})), 4)
 pool.start()
 assert pool.wait_ready(60)
-print("READY", flush=True)
-os.kill(os.getpid(), 9)
+
+async def main():
+    busy = asyncio.ensure_future(pool.run("import time\\ntime.sleep(2)"))
+    await asyncio.sleep(0.2)
+    done = await pool.run("import subprocess\\nprint(subprocess.Popen(['sleep', '60']).pid)")
+    assert done.exit_code == 0 and not busy.done(), done
+    assert len(pool._used) == 1 and len(pool.idle_pids()) == 2, (pool._used, pool.idle_pids())
+    print("READY", flush=True)
+    os.kill(os.getpid(), 9)
+
+asyncio.run(main())
 """
     proc = subprocess.run([sys.executable, "-c", owner], cwd=Path(__file__).resolve().parents[1],
                           capture_output=True, text=True, timeout=120)
@@ -615,7 +669,8 @@ os.kill(os.getpid(), 9)
     def left():
         return {pid for pid, (uid, _, state) in _proc_table().items() if low <= uid < low + 1000 and state not in "ZX"}
 
-    deadline = time.monotonic() + 5.0
+    assert left(), "nothing to check: the owner's workers were gone before it was killed"
+    deadline = time.monotonic() + 10.0
     while left() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert left() == set()

@@ -35,7 +35,9 @@ default) and no working `unshare`, building the sandbox fails naming the fix.
 
 A run is split in two: `start_worker` starts the sandbox up to an interpreter waiting for code,
 `run_on` runs the code there and kills it. `run` does both; `rollout.tools.sandbox_pool` does the
-first ahead of time, so a call pays only the second, with the containment unchanged.
+first ahead of time, so a call pays only the second, with the containment unchanged. The result is
+back when the code ends, marked by a random end token on both streams: a sandbox's teardown (its
+processes and namespaces, a few ms of CPU) is not waited for, and the pool does it off the call.
 
 Departs from typical RL sandboxes (SandboxFusion, E2B): no server, no container image; a run
 costs one `python3` start (~30 ms) and works offline on any Linux host.
@@ -49,6 +51,7 @@ import logging
 import os
 import random
 import resource
+import secrets
 import shlex
 import shutil
 import signal
@@ -76,16 +79,63 @@ def _polyturn_guard(event, args, _blocked=("socket.", "ctypes.", "subprocess.Pop
 _s.addaudithook(_polyturn_guard)
 del _polyturn_guard
 """
-# How every sandboxed interpreter runs the code: it says it is ready (b"R" on stdout, read by
-# `Sandbox.start_worker`), reads the code to EOF, says it starts it (b"S", stripped by `Sandbox._run`:
-# a sandbox that died before has run nothing) and runs it as `__main__` in a fresh namespace.
+# How every sandboxed interpreter runs the code. It warms its compiler (a process's first `compile` costs
+# ~20x a later one), says it is ready (b"R", read by `Sandbox.start_worker`) and reads one header line,
+# b"<token> <length>\n", then the code (nothing: the owner is gone, it exits). It keeps its stdin as a
+# lifeline and gives the code /dev/null, says it starts the code (b"S", stripped by `Sandbox._run`: a sandbox
+# that died before has run nothing) and runs it as `__main__` in a fresh namespace, ending as `python` would:
+# SystemExit's status, or the traceback and 1; non-daemon threads joined, atexit handlers run. Then it
+# writes the token to stderr, and the token and the status as 3 digits to stdout, through its own copies of
+# both (the code may close or redirect fds 1 and 2): the host has the whole result there, without waiting
+# for the process and its namespaces to be torn down. It then waits on the lifeline for its owner to kill
+# it, or to go away. A forked child that returns from the code exits at once, writing nothing. Nothing that
+# the code can forge here harms anyone but its own result.
 _RUN_PRELUDE = """\
-import sys as _s
-_s.stdout.buffer.write(b"R")
-_c = _s.stdin.read()
-_s.stdout.buffer.write(b"S")
-exec(compile(_c, "<stdin>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+import os as _o
+compile("import math\\nprint(math.sqrt(2))\\n", "<warm>", "exec")
+_o.write(1, b"R")
+def _polyturn_main():
+    import atexit, os, sys
+    header = sys.stdin.buffer.readline().split()
+    if len(header) != 2:
+        os._exit(0)
+    token, code = header[0], sys.stdin.buffer.read(int(header[1])).decode("utf-8", "replace")
+    lifeline, out, err = os.dup(0), os.dup(1), os.dup(2)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    pid, status = os.getpid(), 0
+    os.write(out, b"S")
+    try:
+        exec(compile(code, "<stdin>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except BaseException as exc:
+        exc.__traceback__ = exc.__traceback__.tb_next  # from the code's own frame on
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+        status = 1
+    if os.getpid() != pid:  # a forked child came back from the code
+        os._exit(status & 0xFF)
+    if "threading" in sys.modules:
+        sys.modules["threading"]._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    try:
+        os.write(err, token)
+        os.write(out, token + b"%03d" % (status & 0xFF))
+        os.read(lifeline, 1)
+    finally:
+        os._exit(status & 0xFF)
+_polyturn_main()
 """
+# Bytes of the status after the end token on stdout.
+_STATUS_DIGITS = 3
 
 
 class SandboxStartError(RuntimeError):
@@ -373,12 +423,22 @@ class Sandbox:
                 _kill_group(worker.proc.pid)
                 worker.proc.stdin.close()  # with every pipe closed, the transport closes on its loop
                 await worker.proc.wait()
-                stderr, _ = await asyncio.wait_for(_read_capped(worker.proc.stderr, self.limits.max_output_bytes), 2.0)
+                stderr, _, _ = await asyncio.wait_for(_read_output(worker.proc.stderr, self.limits.max_output_bytes), 2.0)
         except TimeoutError:
             pass
         finally:
             self._release(worker)
         return stderr.decode("utf-8", "replace")
+
+    async def finish(self, worker: SandboxWorker) -> None:
+        """Kill a worker that ran its code (its whole process group, unless it is already reaped), wait for it
+        and free its uid and work dir. Idempotent."""
+        try:
+            if worker.proc is not None and worker.proc.returncode is None:
+                _kill_group(worker.proc.pid)
+                await worker.proc.wait()
+        finally:
+            self._release(worker)
 
     def _release(self, worker: SandboxWorker) -> None:
         if worker.proc is not None:
@@ -402,45 +462,63 @@ class Sandbox:
             notes=["sandbox failed to start"],
         )
 
-    async def run_on(self, worker: SandboxWorker, code: str, start: float) -> SandboxResult:
-        """Run `code` on a started `worker` (used once: killed and released afterwards, also on
-        cancellation); `start` is when the call began (for `duration_s`). Never raises for the code."""
+    async def run_on(self, worker: SandboxWorker, code: str, start: float, finish: bool = True) -> SandboxResult:
+        """Run `code` on a started `worker`, used once; `start` is when the call began (for `duration_s`).
+        The result is back as soon as the code has ended. With `finish` the worker is then killed and released
+        (`finish`); without, a worker whose code ended waits, blocked, for the caller's `finish(worker)`. On
+        cancellation it is killed at once. Never raises for the code."""
+        ended = False
         try:
-            return await self._run(worker.proc, code, start, worker.uid)
+            result, ended = await self._run(worker.proc, code, start, worker.uid)
+            return result
         finally:
-            self._release(worker)
+            if finish or not ended:
+                await self.finish(worker)
 
-    async def _run(self, proc: asyncio.subprocess.Process, code: str, start: float, uid: int | None) -> SandboxResult:
+    async def _run(self, proc: asyncio.subprocess.Process, code: str, start: float,
+                   uid: int | None) -> tuple[SandboxResult, bool]:
+        """The result, and whether the code ended with the process left alive (True) or the process was killed
+        and reaped (False: a limit, a signal, `os._exit`, the timeout, or the sandbox died)."""
         max_bytes = self.limits.max_output_bytes
-        readers = asyncio.gather(_read_capped(proc.stdout, max_bytes + 1), _read_capped(proc.stderr, max_bytes))
-        timed_out = False
+        token = secrets.token_hex(16).encode()
+        readers = asyncio.ensure_future(asyncio.gather(
+            _read_output(proc.stdout, max_bytes + 1, token, _STATUS_DIGITS), _read_output(proc.stderr, max_bytes, token)))
+        exited = asyncio.ensure_future(proc.wait())
+        timed_out = ended = False
         try:
+            encoded = code.encode("utf-8", "surrogatepass")
             try:
-                proc.stdin.write(code.encode())
+                proc.stdin.write(b"%s %d\n%s" % (token, len(encoded), encoded))
                 await proc.stdin.drain()
             except (BrokenPipeError, ConnectionResetError):
                 pass
-            finally:
-                proc.stdin.close()
-            try:
-                # The wall clock counts from the call: a cold run's start is part of it.
-                await asyncio.wait_for(proc.wait(), max(self.limits.wall_timeout_s - (time.monotonic() - start), 0.0))
-            except TimeoutError:
-                timed_out = True
+            # The wall clock counts from the call: a cold run's start is part of it.
+            remaining = max(self.limits.wall_timeout_s - (time.monotonic() - start), 0.0)
+            await asyncio.wait({readers, exited}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+            timed_out = not (readers.done() or exited.done())
+            ended = readers.done() and readers.result()[0][2] is not None and readers.result()[1][2] is not None
+        except BaseException:
+            readers.cancel()
+            raise
         finally:
-            # Also on cancellation: the group (and with it the PID namespace) never outlives the run.
-            _kill_group(proc.pid)
-            await proc.wait()
+            if not ended:
+                # Also on cancellation: the group (and with it the PID namespace) never outlives the run.
+                _kill_group(proc.pid)
+                await proc.wait()
+            exited.cancel()
         try:
             # Processes that escaped the group could hold the pipes open: do not wait for them.
-            (out, out_cut), (err, err_cut) = await asyncio.wait_for(readers, 2.0)
+            (out, out_cut, status), (err, err_cut, _) = await asyncio.wait_for(readers, 2.0)
         except TimeoutError:
-            (out, out_cut), (err, err_cut) = (b"", True), (b"", True)
+            (out, out_cut, status), (err, err_cut) = (b"", True, None), (b"", True)
         code_started = out[:1] == b"S"
         out = out[1:] if code_started else out
-        exit_code = proc.returncode
-        if self.isolation == "namespaces" and exit_code is not None and exit_code > 128:
-            exit_code = 128 - exit_code  # the namespace's shell reports "killed by signal N" as 128 + N
+        if ended:
+            exit_code = int(status)
+        else:
+            exit_code = proc.returncode
+            if self.isolation == "namespaces" and exit_code is not None and exit_code > 128:
+                exit_code = 128 - exit_code  # the namespace's shell reports "killed by signal N" as 128 + N
         result = SandboxResult(
             stdout=out.decode("utf-8", "replace"),
             stderr=err.decode("utf-8", "replace"),
@@ -453,7 +531,7 @@ class Sandbox:
             code_started=code_started,
         )
         result.notes = self._notes(result)
-        return result
+        return result, ended
 
     def _notes(self, r: SandboxResult) -> list[str]:
         notes = []
@@ -473,16 +551,38 @@ class Sandbox:
         return notes
 
 
-async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bool]:
-    """Read a stream to EOF, keeping the first `cap` bytes; True if more came."""
-    buf = bytearray()
+async def _read_output(stream: asyncio.StreamReader, cap: int, end: bytes = b"",
+                       suffix: int = 0) -> tuple[bytes, bool, bytes | None]:
+    """Read `stream` up to `end` and the `suffix` bytes after it (to end-of-file when `end` is empty or never
+    comes), keeping the first `cap` bytes before it. Returns what was kept, whether more came, and the
+    suffix (None: `end` never came)."""
+    kept = bytearray()
     truncated = False
+    pending = bytearray()  # read, not yet kept: may hold the start of `end`
+
+    def keep(data: bytes | bytearray) -> None:
+        nonlocal truncated
+        room = cap - len(kept)
+        kept.extend(data[:max(room, 0)])
+        truncated = truncated or len(data) > room
+
     while chunk := await stream.read(65536):
-        room = cap - len(buf)
-        if room > 0:
-            buf.extend(chunk[:room])
-        truncated = truncated or len(chunk) > room
-    return bytes(buf), truncated
+        pending += chunk
+        if not end:
+            keep(pending)
+            pending.clear()
+            continue
+        at = pending.find(end)
+        if at < 0:
+            cut = max(len(pending) - len(end) + 1, 0)  # a partial `end` may be at the tail
+            keep(pending[:cut])
+            del pending[:cut]
+        elif len(pending) >= at + len(end) + suffix:
+            keep(pending[:at])
+            return bytes(kept), truncated, bytes(pending[at + len(end):at + len(end) + suffix])
+    at = pending.find(end) if end else -1
+    keep(pending[:at] if at >= 0 else pending)
+    return bytes(kept), truncated, None
 
 
 def _kill_group(pgid: int) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,8 +35,8 @@ MINI_BATCHES = 2  # data.train_batch_size 4 / ppo_mini_batch_size 2: optimizer s
 WALL_CLOCK = ("timing/", "perf/", "weight_sync/seconds", "weight_sync/send_seconds", "weight_sync/peak_extra_mb")
 
 
-def _command(root: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "recipe.main_ppo", "--config-name", "cpu_tiny",
+def _command(root: Path, out: Path, extra: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, "-m", "recipe.main_ppo", "--config-name", "cpu_tiny", *extra,
             f"data.train_files=[{root / 'data' / 'train.parquet'}]", f"trainer.default_local_dir={out}",
             f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", "trainer.resume_mode=auto",
             "trainer.logger=[console,wandb]", f"custom_reward_function.path={root / 'reward.py'}",
@@ -48,10 +49,10 @@ def _command(root: Path, out: Path) -> list[str]:
             "ray_init.num_cpus=4"]
 
 
-def _start(root: Path, out: Path, log: Path) -> subprocess.Popen:
+def _start(root: Path, out: Path, log: Path, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with log.open("ab") as f:
-        return subprocess.Popen(_command(root, out), cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+        return subprocess.Popen(_command(root, out, extra), cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # its Ray cluster and engine: one process group
 
 
@@ -79,13 +80,18 @@ def _step_metrics(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("resume_kill")
+def _prepare(root: Path) -> None:
+    """The runs' data (verl-format parquet) and custom reward under `root`."""
     for split in gsm8k.SPLITS:
         (root / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     gsm8k.preprocess(root / "data", root)
     (root / "reward.py").write_text(CUSTOM_REWARD)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume_kill")
+    _prepare(root)
     out, log = root / "out", root / "killed.log"
     proc = _start(root, out, log)
     try:
@@ -203,3 +209,42 @@ def test_uninterrupted_run_checkpoints_every_step_and_auto_picks_the_newest(runs
     assert (state.step, state.weight_version, state.batches_consumed) == (1, 1, 1)
     assert state.wandb_run_id is not None and state.wandb_run_id == checkpoint.TrainerState.read(
         ref / "global_step_2").wandb_run_id
+
+
+ONE_STEP_OFF = ("async_training.schedule=one_step_off",)
+
+
+@pytest.fixture(scope="module")
+def one_step_off_runs(tmp_path_factory):
+    """An uninterrupted one_step_off run of 2 steps, and a run resumed from its checkpoint 1 (which holds step 2's
+    rollout, done ahead while step 1 trained), copied to a directory of its own, by `resume_mode=auto`."""
+    root = tmp_path_factory.mktemp("resume_one_step_off")
+    _prepare(root)
+    reference, resumed = root / "uninterrupted", root / "resumed"
+    _finish(_start(root, reference, root / "uninterrupted.log", ONE_STEP_OFF), root / "uninterrupted.log")
+    shutil.copytree(reference / "global_step_1", resumed / "global_step_1")  # as a run killed after checkpoint 1
+    (resumed / checkpoint.MARKER).write_text("1\n")
+    log = root / "resumed.log"
+    _finish(_start(root, resumed, log, ONE_STEP_OFF), log)
+    return {"reference": reference, "resumed": resumed, "resumed_log": log.read_text(errors="replace")}
+
+
+@pytest.mark.e2e
+def test_a_resumed_one_step_off_run_equals_the_uninterrupted_run_bit_for_bit(one_step_off_runs):
+    """Contract (in-flight work saved, not lost): resumed from a one_step_off checkpoint, the run trains step 2 on
+    the rollout saved in it (sampled at version 0, trained at version 1: staleness 1) without rolling it out again,
+    and with rollout.deterministic logs step 2 and writes checkpoint 2 exactly as the uninterrupted run did: the
+    same metrics except wall-clock figures, every rank's weights, Adam state, scheduler and RNG, the trainer state."""
+    ref, resumed = one_step_off_runs["reference"], one_step_off_runs["resumed"]
+    assert f"resumed from {resumed / 'global_step_1'}: step 1, weight version 1" in one_step_off_runs["resumed_log"]
+    assert one_step_off_runs["resumed_log"].count(ROLLOUT_STARTS) == 0  # step 2's rollout came from the checkpoint
+    (step2,) = _step_metrics(resumed)
+    assert step2["step"] == 2 and step2["rollout/staleness/max"] == 1.0 and step2["actor/grad_norm"] > 0
+    assert _without_wall_clock(step2) == _without_wall_clock(_step_metrics(ref)[1])
+    for rank in range(2):
+        name = f"rank_{rank:05d}.pt"
+        a, b = (torch.load(d / "global_step_2" / "actor" / name, map_location="cpu", weights_only=False)
+                for d in (resumed, ref))
+        assert _differences(a, b) == [], name
+    states = [checkpoint.TrainerState.read(d / "global_step_2") for d in (resumed, ref)]
+    assert {**vars(states[0]), "wandb_run_id": None} == {**vars(states[1]), "wandb_run_id": None}

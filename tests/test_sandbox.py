@@ -652,7 +652,7 @@ pool.start()
 assert pool.wait_ready(60)
 
 async def main():
-    busy = asyncio.ensure_future(pool.run("import time\\ntime.sleep(2)"))
+    busy = asyncio.ensure_future(pool.run("import time\\ntime.sleep(5)"))
     await asyncio.sleep(0.2)
     done = await pool.run("import subprocess\\nprint(subprocess.Popen(['sleep', '60']).pid)")
     assert done.exit_code == 0 and not busy.done(), done
@@ -670,7 +670,7 @@ asyncio.run(main())
         return {pid for pid, (uid, _, state) in _proc_table().items() if low <= uid < low + 1000 and state not in "ZX"}
 
     assert left(), "nothing to check: the owner's workers were gone before it was killed"
-    deadline = time.monotonic() + 10.0
+    deadline = time.monotonic() + 20.0  # the busy call's code ends 5 s after it started
     while left() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert left() == set()

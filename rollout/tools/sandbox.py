@@ -199,6 +199,7 @@ class SandboxWorker:
     proc: asyncio.subprocess.Process | None  # the sandbox's process (group leader); None until started
     uid: int | None  # the unprivileged uid it runs as (None: privileges not dropped)
     workdir: str | None  # its host work dir (rlimits_unsafe only), removed with it
+    released: bool = False  # its uid and work dir are freed (at most once: the uid may be drawn again after)
 
 
 def _world_executable(path: str) -> bool:
@@ -441,6 +442,9 @@ class Sandbox:
             self._release(worker)
 
     def _release(self, worker: SandboxWorker) -> None:
+        if worker.released:
+            return
+        worker.released = True
         if worker.proc is not None:
             # Closed here, on its loop: one collected after its loop closed (a pool's, an `asyncio.run`'s)
             # raises from `__del__`.

@@ -353,9 +353,11 @@ ENDINGS = {  # code -> (exit code, stdout, the end of stderr)
                                                         "line 2, in f\nValueError: boom"),
     "def f(:\n    pass": (1, "", "SyntaxError: invalid syntax"),
     "import os\nprint('kept', flush=True)\nos._exit(7)": (7, "kept", ""),
-    "import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.3), print('joined'))).start()": (0, "joined", ""),
+    "import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.3), print('joined'))).start()":
+        (0, "joined", ""),
     "import atexit\natexit.register(print, 'at exit')\nprint('first')": (0, "first\nat exit", ""),
-    "import os\nif os.fork() == 0:\n    print('child')\nelse:\n    os.wait()\n    print('parent')": (0, "child\nparent", ""),
+    "import os\nif os.fork() == 0:\n    print('child')\nelse:\n    os.wait()\n    print('parent')":
+        (0, "child\nparent", ""),
     "print(input())": (1, "", "EOFError: EOF when reading a line"),
 }
 

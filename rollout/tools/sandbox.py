@@ -424,7 +424,8 @@ class Sandbox:
                 _kill_group(worker.proc.pid)
                 worker.proc.stdin.close()  # with every pipe closed, the transport closes on its loop
                 await worker.proc.wait()
-                stderr, _, _ = await asyncio.wait_for(_read_output(worker.proc.stderr, self.limits.max_output_bytes), 2.0)
+                stderr, _, _ = await asyncio.wait_for(
+                    _read_output(worker.proc.stderr, self.limits.max_output_bytes), 2.0)
         except TimeoutError:
             pass
         finally:
@@ -485,8 +486,8 @@ class Sandbox:
         and reaped (False: a limit, a signal, `os._exit`, the timeout, or the sandbox died)."""
         max_bytes = self.limits.max_output_bytes
         token = secrets.token_hex(16).encode()
-        readers = asyncio.ensure_future(asyncio.gather(
-            _read_output(proc.stdout, max_bytes + 1, token, _STATUS_DIGITS), _read_output(proc.stderr, max_bytes, token)))
+        readers = asyncio.ensure_future(asyncio.gather(_read_output(proc.stdout, max_bytes + 1, token, _STATUS_DIGITS),
+                                                       _read_output(proc.stderr, max_bytes, token)))
         exited = asyncio.ensure_future(proc.wait())
         timed_out = ended = False
         try:

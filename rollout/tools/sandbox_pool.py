@@ -15,9 +15,9 @@ latest: a burst of calls does not share the CPU with its own teardown and refill
 The pool owns its processes from one uvloop event loop in its own thread, so callers may come from any
 loop (asyncio or uvloop, one `asyncio.run` after another) and cancelling a call kills its sandbox as it does
 on the cold path. uvloop, not asyncio's loop: its subprocess pipes cost about half the CPU per call, and at
-64 calls at once on 2 cores that CPU is the latency. `close()` kills every worker and ends the thread. A worker that outlives its owner (the host process
-killed) reads end-of-file on its stdin and exits: an idle one before running anything, a used one when its
-code has ended.
+64 calls at once on 2 cores that CPU is the latency. `close()` kills every worker and ends the thread. A
+worker that outlives its owner (the host process killed) reads end-of-file on its stdin and exits: an idle
+one before running anything, a used one when its code has ended.
 
 The pool saves latency, not CPU: each call still costs one sandbox start, paid before it is needed.
 """

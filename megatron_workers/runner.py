@@ -42,6 +42,7 @@ Where it departs from the textbook training loop:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from dataclasses import dataclass
@@ -208,6 +209,7 @@ class MegatronRunner:
         module.config.finalize_model_grads_func = _finalize_grads_summed
         self.step = 0  # optimizer steps taken
         self.optimizer = None
+        self._offloaded: dict[str, bool] = {}  # what `offload` moved to CPU memory: "params", "grads", "optimizer"
         self.scheduler = None
         if cfg.optim is None:  # reference policy: a bare model, no gradient buffers
             module.requires_grad_(False)
@@ -456,17 +458,32 @@ class MegatronRunner:
         buffers are only shrunk: every mini-batch zeroes them before use.
         """
         self._offloaded = {"params": params, "grads": grads, "optimizer": optimizer and self.optimizer is not None}
-        self._move(torch.device("cpu"))
+        self._move(self._offloaded, to_host=True)
         torch.cuda.empty_cache()
 
     def onload(self) -> None:
         """Bring back to the device what `offload` moved (nothing when nothing was offloaded)."""
-        self._move(self._device)
+        self._move(self._offloaded, to_host=False)
         self._offloaded = {}
 
-    def _move(self, device: torch.device) -> None:
-        what = getattr(self, "_offloaded", {})
-        to_cpu = device.type == "cpu"
+    @contextlib.contextmanager
+    def params_on_device(self) -> Iterator[None]:
+        """Offloaded parameters back on the device for the duration, offloaded again after: what reads or writes
+        them between training phases (the weight sync, a checkpoint) must not touch their emptied device storage.
+        The rest of the offloaded state stays in CPU memory."""
+        if not self._offloaded.get("params"):
+            yield
+            return
+        self._move({"params": True}, to_host=False)
+        try:
+            yield
+        finally:
+            self._move({"params": True}, to_host=True)
+            torch.cuda.empty_cache()
+
+    def _move(self, what: dict[str, bool], to_host: bool) -> None:
+        """Move the state `what` names ("params", "grads", "optimizer") to CPU memory or back to the device."""
+        device = torch.device("cpu") if to_host else self._device
         buffered: set[int] = set()
         for chunk in self.model:
             ddp_buffers = chunk.buffers + chunk.expert_parallel_buffers if isinstance(chunk, DistributedDataParallel) else []
@@ -481,32 +498,34 @@ class MegatronRunner:
             for chunk in self.model:
                 for p in chunk.parameters():
                     if id(p) not in buffered:
-                        p.data = p.data.to(device, non_blocking=to_cpu)
+                        p.data = p.data.to(device, non_blocking=to_host)
         if what.get("optimizer"):
             for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
                 inner = opt.optimizer  # the torch optimizer: main params (when not the model's) and Adam states
                 for group in inner.param_groups:
                     for p in group["params"]:
                         if id(p) not in model_params:
-                            p.data = p.data.to(device, non_blocking=to_cpu)
+                            p.data = p.data.to(device, non_blocking=to_host)
                 for state in inner.state.values():
                     for k, v in state.items():
                         if torch.is_tensor(v):
-                            state[k] = v.to(device, non_blocking=to_cpu)
-        if to_cpu:
+                            state[k] = v.to(device, non_blocking=to_host)
+        if to_host:
             torch.cuda.synchronize()  # the copies must land before the device memory is reused
 
     # -- checkpoint -----------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> None:
         """Write this rank's model shard, optimizer, scheduler, RNG states and step (`checkpoint.py`); rank 0 adds
         the model's config and tokenizer (`checkpoint.HF_DIR`), which an HF export of the checkpoint needs."""
-        checkpoint.save_rank(path, self.module, self.optimizer, self.scheduler, self.step)
+        with self.params_on_device():
+            checkpoint.save_rank(path, self.module, self.optimizer, self.scheduler, self.step)
         if torch.distributed.get_rank() == 0:
             checkpoint.save_hf_files(Path(path) / checkpoint.HF_DIR, self.hf_config, self.hf_dir)
 
     def load_checkpoint(self, path: str) -> int:
         """Restore what `save_checkpoint` wrote for this rank; returns the step."""
-        self.step = checkpoint.load_rank(path, self.module, self.optimizer, self.scheduler)
+        with self.params_on_device():
+            self.step = checkpoint.load_rank(path, self.module, self.optimizer, self.scheduler)
         return self.step
 
     def hf_state_dict(self) -> Optional[dict[str, torch.Tensor]]:

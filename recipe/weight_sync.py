@@ -2,8 +2,8 @@
 
 The driver only sends small control messages: it opens a weight-update session on every
 engine, asks the actor ranks to stream their weights (`MegatronActor.send_weights`; buckets go
-straight from the training ranks to the engine actors, see `megatron_workers.weights`), closes
-the sessions under the new version, and flushes the engines' prefix caches. Paths:
+straight from the training ranks to the engine actors, see `megatron_workers.weights`), then, in one
+call per engine, flushes its prefix cache and closes the session under the new version. Paths:
 
 - "tensor": serialized handles per engine TP rank (colocated / hybrid placement);
 - "distributed": a broadcast over a process group per pipeline stage that every engine TP rank
@@ -139,8 +139,7 @@ class WeightSync:
                 self._each_engine("end_weight_update")  # close the session; the version stays the old one
                 raise
             send_s = time.perf_counter() - t_send
-            self._each_engine("end_weight_update", weight_version=version)
-            self._each_engine("flush_cache")
+            self._each_engine("finish_weight_update", weight_version=version)  # flush the prefix cache, version
         for e in self.engines:
             e.refresh()
         stale = [e.name for e in self.engines if e.weight_version != version]

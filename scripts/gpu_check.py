@@ -14,10 +14,11 @@ benchmark's 2-layer smoke shapes, for CPUs and tests). The batch has a realistic
    `megatron_workers.device_check.discipline`, which refuses any op that mixes host and device tensors;
 3. two more PPO updates, timed: tokens/s and MFU (`recipe.flops`; the peak is looked up by the GPU's name,
    or `--peak-tflops`);
-4. an offload / onload round trip of params, grads and optimizer: device memory freed (GPU), and the
-   log-probs after it equal those before, bit for bit;
-5. the weight export into bf16 buckets (`megatron_workers.weights`, the streaming path, without an engine):
-   every HF tensor, in GB/s.
+4. the weight export into bf16 buckets (`megatron_workers.weights`, the streaming path, without an engine):
+   every HF tensor, in GB/s;
+5. an offload / onload round trip of params, grads and optimizer, with a weight export in between, as the
+   trainer syncs in hybrid placement: device memory freed (GPU), the export's checksums equal the resident
+   one's, and the log-probs after the round trip equal those before, bit for bit.
 
 The last stdout line is JSON: device, ok, tokens_per_s, mfu (null without a known peak, always null on a
 CPU), peak_mem_gb (the GPU's peak allocation; on a CPU the process's peak RSS), export_gbps,
@@ -211,23 +212,30 @@ def run(backend: str, small: bool, rows: int | None, configured_peak: float | No
             mfu = 2 * ModelFlops.from_hf_config(hf_config).training(seq_lens) / (seconds * peak * 1e12) \
                 if peak else None
 
-            before = actor.compute_log_prob(batch)["log_probs"]
-            resident = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
-            actor.offload(params=True, grads=True, optimizer=True)
-            offloaded = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
-            actor.onload()
-            after = actor.compute_log_prob(batch)["log_probs"]
-            freed = "" if resident is None else f", {resident / 1e9:.2f} -> {offloaded / 1e9:.2f} GB on the device"
-            check("offload_round_trip", torch.equal(before, after)
-                  and (resident is None or offloaded < 0.2 * resident), f"log-probs equal after onload{freed}")
-
-            plan = {"mode": "stats", "bucket_bytes": BUCKET_BYTES, "dtype": "bfloat16", "key": "gpu_check"}
+            plan = {"mode": "stats", "bucket_bytes": BUCKET_BYTES, "dtype": "bfloat16", "key": "gpu_check",
+                    "checksums": True}
             actor.send_weights(plan)  # warm-up: the first export allocates the buckets' memory
             export = actor.send_weights(plan)
             want = sum(math.prod(s) for s in hf_tensor_shapes(hf_config).values()) * torch.bfloat16.itemsize
             check("weight_export", export is not None and export["bytes"] == want,
                   f"{export and export['bytes']:.0f} of {want} bytes in {export and export['buckets']:.0f} buckets")
             export_gbps = export["bytes"] / export["seconds"] / 1e9 if export else None
+
+            # As in hybrid placement: offload after training, sync the weights from the offloaded actor, onload.
+            before = actor.compute_log_prob(batch)["log_probs"]
+            resident = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
+            actor.offload(params=True, grads=True, optimizer=True)
+            offloaded = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
+            synced = actor.send_weights(plan)
+            left = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
+            actor.onload()
+            after = actor.compute_log_prob(batch)["log_probs"]
+            freed = "" if resident is None else f", {resident / 1e9:.2f} -> {offloaded / 1e9:.2f} GB on the device"
+            check("offload_round_trip", torch.equal(before, after)
+                  and (resident is None or offloaded < 0.2 * resident), f"log-probs equal after onload{freed}")
+            check("export_while_offloaded", synced is not None and export is not None
+                  and synced["stats"] == export["stats"] and (left is None or left - offloaded < 0.05 * resident),
+                  "the same checksums as the resident export, the parameters offloaded again after it")
     finally:
         parallel.destroy()
     failed = [k for k, v in checks.items() if not v]

@@ -59,11 +59,13 @@ def test_greedy_ids_and_logprobs_match_transformers(sglang_engine, tiny_model_di
 
 @pytest.mark.integration
 def test_weight_update_from_tensor_then_disk_restores(sglang_engine, tiny_model_dir):
-    """A tensor update changes what is served and its version; reloading the checkpoint restores greedy ids."""
+    """A tensor update changes what is served and its version, and drops the prefix cache of the old weights;
+    reloading the checkpoint restores greedy ids."""
     from safetensors.torch import load_file
 
     params = {"max_new_tokens": 10, "temperature": 0.0}
     before = asyncio.run(sglang_engine.generate([5, 6, 7, 8], params, "wu-before"))
+    assert asyncio.run(sglang_engine.generate([5, 6, 7, 8], params, "wu-cached")).meta["cached_tokens"] > 0
     v0 = sglang_engine.weight_version
     state = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
     gen = torch.Generator().manual_seed(1)
@@ -71,6 +73,7 @@ def test_weight_update_from_tensor_then_disk_restores(sglang_engine, tiny_model_
         [(k, v + 0.05 * torch.randn(v.shape, generator=gen)) for k, v in state.items()], weight_version=v0 + 1)
     after = asyncio.run(sglang_engine.generate([5, 6, 7, 8], params, "wu-after"))
     assert after.weight_version == v0 + 1 == sglang_engine.weight_version
+    assert after.meta["cached_tokens"] == 0, "the prompt's KV cached under the old weights was served after the update"
     assert after.output_logprobs != before.output_logprobs
 
     sglang_engine.update_weights_from_disk(str(tiny_model_dir), weight_version=v0 + 2)

@@ -204,9 +204,6 @@ class EngineClient:
     def continue_generation(self) -> None:
         self.call("continue_generation")
 
-    def flush_cache(self) -> None:
-        self.call("flush_cache")
-
     def update_weights_from_disk(self, path: str, *, weight_version: int) -> None:
         self.call("update_weights_from_disk", path, weight_version=weight_version)
         self.refresh()

@@ -1,19 +1,27 @@
 """Weight-sync sender: streaming export from Megatron ranks straight into the inference engines.
 
-Each pipeline stage exports its own layers (`adapters.iter_stage_hf_tensors`): every tensor's TP
-shards are cast to the engine dtype and gathered over the stage's TP group one tensor at a time,
-then re-split into HF layout. The full tensors are copied into flat byte buckets of at most
-`bucket_bytes` and one dtype (`bucket_by_bytes` plans them from the shapes alone, so every rank
-cuts the same buckets). A sender thread ships bucket k while the main thread gathers bucket k+1;
+Each pipeline stage exports its own layers into flat byte buckets of at most `bucket_bytes` and one
+dtype, the engine's (`bucket_by_bytes` plans them from the shapes alone, so every rank cuts the
+same buckets). A bucket is filled one of two ways:
+
+- in place (`fill_buckets_in_place`), when the parameters are in host memory and every TP rank of
+  the stage runs on this host: each TP rank copies its own shards, cast on the way, straight into
+  their places in the senders' shared-memory bucket (`adapters.place_stage_shards`), which the
+  other ranks map once; nothing crosses the TP group but two barriers per bucket;
+- by gather (`stream_buckets`), otherwise (GPUs: a device bucket cannot be shared across GPUs): every
+  tensor's shards are cast and gathered over the stage's TP group one tensor at a time, re-split into
+  HF layout (`adapters.iter_stage_hf_tensors`) and copied into the bucket.
+
+A sender thread ships bucket k while the main thread fills bucket k+1;
 a semaphore keeps at most two buckets alive, and they take turns in two buffers (`BucketBuffers`:
 bucket k in buffer k % 2). Buffers in host memory are kept across syncs: a fresh shared-memory
 buffer costs several times the copy into it (the shm file is created, then every page faults on
 first touch: 7-30x the copy in probes on the CPU machine here). Device buffers are
 returned to the allocator after each sync, so the engines' KV cache can take that memory back.
 `peak_extra_bytes` in the returned metrics is measured, not derived: the largest sum, over the
-sync, of bucket bytes in use plus the full tensor being copied in (counted when taken, uncounted
-when released); the TP gather's shard list, as large as that tensor and freed before the next
-one, is not counted.
+sync, of bucket bytes in use plus, by gather, the full tensor being copied in (counted when taken,
+uncounted when released); the TP gather's shard list, as large as that tensor and freed before the
+next one, is not counted.
 
 Two live paths, chosen by the caller (plain data in, plain metrics out):
 
@@ -34,13 +42,18 @@ model, and pipeline stages sync in parallel instead of through a PP broadcast.
 """
 from __future__ import annotations
 
+import functools
 import io
 import logging
+import os
+import pickle
 import queue
+import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -133,6 +146,14 @@ class BucketBuffers:
             buf = self._buffers[key] = _shared_buffer(capacity, device)
         return buf[:sizes[index]]
 
+    def pair(self, sizes: list[int], device: torch.device) -> list[torch.Tensor]:
+        """The whole buffers (one per bucket parity, as many as there are buckets, at most two) that `take` hands
+        out for buckets of `sizes`."""
+        parities = range(min(2, len(sizes)))
+        for k in parities:
+            self.take(k, sizes, device)
+        return [self._buffers[(str(device), k)] for k in parities]
+
     def release_device(self) -> None:
         """Forget the buffers that are not in host memory."""
         self._buffers = {k: b for k, b in self._buffers.items() if b.device.type == "cpu"}
@@ -173,6 +194,27 @@ def stream_buckets(named: Iterator[NamedTensor], plan: list[list[NamedTensor]], 
     leftover = next(it, None)
     if leftover is not None:
         raise RuntimeError(f"weight export produced {leftover[0]} beyond the bucket plan")
+
+
+def fill_buckets_in_place(place: Callable[[dict[str, torch.Tensor]], None], plan: list[list[NamedTensor]],
+                          buffers: list[torch.Tensor], group: Any, meter: MemoryMeter) -> Iterator[Bucket]:
+    """The buckets of `plan` in `buffers` (bucket k in buffers[k % 2]), each filled by every rank of `group` at once:
+    `place({hf name: its view in the bucket})` writes this rank's part. Collective over `group`: a barrier before a
+    buffer is reused (every rank has shipped the bucket that held it: ask for bucket k only when done with k-2, as
+    `send_buckets` does) and one when the bucket is whole. The meter counts each bucket until the consumer
+    releases it."""
+    for index, planned in enumerate(plan):
+        dist.barrier(group=group)
+        flat, views, slots, off = buffers[index % 2], {}, [], 0
+        for name, meta in planned:
+            n = tensor_bytes(meta)
+            views[name] = flat[off:off + n].view(meta.dtype).view(meta.shape)
+            slots.append((name, str(meta.dtype).removeprefix("torch."), tuple(meta.shape), off))
+            off += n
+        place(views)
+        dist.barrier(group=group)
+        meter.add(off)
+        yield Bucket(index, flat[:off], slots)
 
 
 def _shared_buffer(size: int, device: torch.device) -> torch.Tensor:
@@ -222,6 +264,12 @@ def init_sender_group(master_address: str, master_port: int, world_size: int, gr
     return pg
 
 
+def _host_id() -> tuple[str, str]:
+    """This host's name and kernel boot id: equal on two processes that can map each other's shared memory."""
+    boot = "/proc/sys/kernel/random/boot_id"
+    return socket.gethostname(), Path(boot).read_text().strip() if os.path.exists(boot) else ""
+
+
 def send_buckets(buckets: Iterator[Bucket], ship, meter: MemoryMeter) -> int:
     """Run `ship(bucket)` in a sender thread while the caller's iterator builds the next bucket;
     at most two buckets are alive at once. Returns the number of buckets shipped."""
@@ -263,24 +311,22 @@ def send_buckets(buckets: Iterator[Bucket], ship, meter: MemoryMeter) -> int:
     return count
 
 
-def send_stage(tensors: Iterator[NamedTensor], plan: list[list[NamedTensor]], buffers: BucketBuffers, *, ship,
-               checksums: bool) -> dict[str, Any]:
-    """Pack a stage's HF tensor stream into the planned buckets, in `buffers`, and ship each (see `send_buckets`).
+def send_stage(buckets: Iterator[Bucket], meter: MemoryMeter, *, ship, checksums: bool) -> dict[str, Any]:
+    """Ship each of a stage's buckets (see `send_buckets`; `meter` is the one the buckets were packed under).
     Returns seconds, bytes, buckets, peak_extra_bytes and, with `checksums`, per-tensor `stats`."""
-    meter = MemoryMeter()
     t0 = time.perf_counter()
     stats: dict[str, list[float]] = {}
     nbytes = 0
 
-    def counted() -> Iterator[NamedTensor]:
+    def counted() -> Iterator[Bucket]:
         nonlocal nbytes
-        for name, t in tensors:
+        for b in buckets:
             if checksums:
-                stats[name] = tensor_stats(t)
-            nbytes += tensor_bytes(t)
-            yield name, t
+                stats.update((name, tensor_stats(t)) for name, t in b.named_tensors())
+            nbytes += b.flat.numel()
+            yield b
 
-    n = send_buckets(stream_buckets(counted(), plan, meter, buffers), ship, meter)
+    n = send_buckets(counted(), ship, meter)
     return {"seconds": time.perf_counter() - t0, "bytes": float(nbytes), "buckets": float(n),
             "peak_extra_bytes": float(meter.peak), "stats": stats}
 
@@ -304,12 +350,15 @@ class WeightSender:
     Tensor path: the ranks `plan["serializers"]` names export, each for the engine TP ranks on its own GPU, so
     every data-parallel replica that shares GPUs with an engine takes part; a replica's stage whose ranks serialize
     nothing skips the sync. Other paths: data-parallel replica 0 exports. In each pipeline stage the TP ranks
-    gather every tensor to the rank(s) that send it; engine handles come in `plan` and are called by method name.
+    fill the buckets of the rank(s) that send them, in place or by gather (module docstring); engine handles come in
+    `plan` and are called by method name.
     """
 
     def __init__(self) -> None:
         self._groups: dict[str, dist.ProcessGroup] = {}  # distributed path, by group name
         self._buffers = BucketBuffers()  # kept across syncs (host memory)
+        self._mapped: tuple[bytes | None, list[torch.Tensor]] = (None, [])  # another rank's buffers: handle, tensors
+        self._same_host: bool | None = None  # every TP rank of this stage on this host (asked on the first sync)
 
     @staticmethod
     def _position() -> tuple[int, int, int]:
@@ -358,37 +407,57 @@ class WeightSender:
         """
         from megatron.core import parallel_state as mpu
 
-        from megatron_workers.adapters import iter_stage_hf_tensors, stage_hf_tensor_shapes
+        from megatron_workers.adapters import iter_stage_hf_tensors, place_stage_shards, stage_hf_tensor_shapes
 
         tp_rank, stage, dp_rank = self._position()
         mode, engines = plan["mode"], plan.get("engines", [])
+        if mode not in ("tensor", "distributed", "stats"):
+            raise ValueError(f"weight sync mode {mode!r} is not one of tensor, distributed, stats")
+        tp_group = mpu.get_tensor_model_parallel_group()
         if mode == "tensor":
             serializers = {int(k): v for k, v in plan["serializers"].items()}
-            peers = dist.get_process_group_ranks(mpu.get_tensor_model_parallel_group())  # this stage's TP group
+            peers = dist.get_process_group_ranks(tp_group)  # this stage's TP group
             senders = [peers.index(g) for g in peers if g in serializers]  # TP positions that serialize
             if not senders:
                 return None  # no engine TP rank sits on this replica's GPUs for this stage
             mine = serializers.get(dist.get_rank(), [])
-            dst = senders[0] if len(senders) == 1 else None  # gather to the one sender, or to every TP rank
         elif dp_rank:
             return None
         else:
-            mine, dst = [], 0
+            mine, senders = [], [0]
         dtype = getattr(torch, plan["dtype"])
-        tensors = iter_stage_hf_tensors(module, hf_config, dst_tp_rank=dst, dtype=dtype)
-        receives = dst is None or tp_rank == dst
         shapes = stage_hf_tensor_shapes(hf_config, stage, mpu.get_pipeline_model_parallel_world_size())
-        metas = [(n, torch.empty(s, dtype=dtype, device="meta")) for n, s in shapes.items()] if receives else []
+        metas = [(n, torch.empty(s, dtype=dtype, device="meta")) for n, s in shapes.items()]
         buckets = list(bucket_by_bytes(metas, plan["bucket_bytes"]))
-        if mode == "tensor":
+        meter = MemoryMeter()
+        if self._fills_in_place(module, tp_group):  # every TP rank writes its shards into the senders' buckets
+            receives = tp_rank in senders
+            owner = dist.get_process_group_ranks(tp_group)[senders[0]]
+            sizes = [sum(tensor_bytes(t) for _, t in planned) for planned in buckets]
+            handle = [serialize(self._buffers.pair(sizes, torch.device("cpu"))) if dist.get_rank() == owner else None]
+            dist.broadcast_object_list(handle, src=owner, group=tp_group)
+            if dist.get_rank() != owner and handle[0] != self._mapped[0]:
+                self._mapped = (handle[0], pickle.loads(handle[0]))  # the owner's buffers, mapped here once
+            buffers = self._buffers.pair(sizes, torch.device("cpu")) if dist.get_rank() == owner else self._mapped[1]
+            place = functools.partial(place_stage_shards, module, hf_config, replicated=dist.get_rank() == owner)
+            filled = fill_buckets_in_place(place, buckets, buffers, tp_group, meter)
+        else:  # gather each tensor to the sender (or to every TP rank when several serialize), then pack it
+            dst = senders[0] if len(senders) == 1 else None
+            receives = dst is None or tp_rank == dst
+            tensors = iter_stage_hf_tensors(module, hf_config, dst_tp_rank=dst, dtype=dtype)
+            filled = stream_buckets(tensors, buckets if receives else [], meter, self._buffers)
+        if not receives or mode == "stats":
+            def ship(b: Bucket) -> None:  # stats, or a rank that only helps fill (or gather to) the senders' buckets
+                pass
+        elif mode == "tensor":
             def ship(b: Bucket) -> None:
                 import ray
 
                 named = b.named_tensors()
                 key = f"{plan['key']}/stage{stage}/bucket{b.index}"
                 ray.get([engines[i].load_payload.remote(key, r, serialize(named)) for i, r in mine])
-        elif mode == "distributed":
-            pg = self._groups.get(plan["groups"][stage]) if tp_rank == 0 else None
+        else:
+            pg = self._groups[plan["groups"][stage]]
 
             def ship(b: Bucket) -> None:
                 import ray
@@ -398,13 +467,20 @@ class WeightSender:
                         for e in engines]
                 dist.broadcast(b.flat, src=0, group=pg)
                 ray.get(refs)
-        elif mode == "stats":
-            def ship(b: Bucket) -> None:
-                pass
-        else:
-            raise ValueError(f"weight sync mode {mode!r} is not one of tensor, distributed, stats")
         try:
-            out = send_stage(tensors, buckets, self._buffers, ship=ship, checksums=plan.get("checksums", False))
+            out = send_stage(filled, meter, ship=ship, checksums=receives and plan.get("checksums", False))
         finally:
             self._buffers.release_device()
-        return out if out["bytes"] else None
+        return out if receives and out["bytes"] else None
+
+    def _fills_in_place(self, module: torch.nn.Module, tp_group: Any) -> bool:
+        """Whether this stage's TP ranks fill each bucket together, in shared host memory, instead of gathering
+        every tensor to the sender: the parameters are in host memory and every TP rank runs on this host (asked
+        once; the answer is the same on every rank of the group)."""
+        if next(module.parameters()).device.type != "cpu":
+            return False
+        if self._same_host is None:
+            hosts: list[Any] = [None] * dist.get_world_size(tp_group)
+            dist.all_gather_object(hosts, _host_id(), group=tp_group)
+            self._same_host = len(set(hosts)) == 1
+        return self._same_host

@@ -43,6 +43,9 @@ def engine_kwargs_for_this_machine(engine_kwargs: dict[str, Any]) -> dict[str, A
         return kwargs
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
     os.environ[CPU_ENGINE_ENV] = "1"
+    # torch's own switch: host allocations of 2 MB and more on transparent huge pages, in the scheduler (spawned
+    # after this). Every weight-sync bucket the engine receives is a fresh allocation; 4x faster to first touch.
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     for key, value in _CPU_FIXED.items():
         if key in kwargs and kwargs[key] != value:
             logger.warning("sglang %s=%r is not available on CPU; using %r", key, kwargs[key], value)

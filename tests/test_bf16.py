@@ -145,3 +145,22 @@ def test_weight_export_sends_bf16_params_as_they_are(world_of_one, trained_init_
         counts[dtype] = c.casts
         assert {t.dtype for _, t in named} == {dtype}
     assert counts[torch.bfloat16] == 0 and counts[torch.float32] >= len(named) // 2
+
+
+def test_the_sender_fills_the_same_buckets_in_place_and_by_gather(world_of_one, trained_init_model):
+    """Contract: the two ways a weight-sync sender fills its buckets (every TP rank writing its shards in place in
+    shared memory; every tensor gathered to the sender and re-split) give the same tensors, bit for bit (the same
+    checksums, bytes and buckets), for bf16 and for fp32 parameters to a bf16 engine."""
+    from megatron_workers.weights import WeightSender
+
+    plan = {"mode": "stats", "bucket_bytes": 1 << 16, "dtype": "bfloat16", "key": "fill", "checksums": True}
+    for dtype in ("bfloat16", "float32"):
+        actor = _actor(trained_init_model, dtype)
+        sent = {}
+        for in_place in (True, False):
+            sender = WeightSender()
+            sender._same_host = in_place  # False: as when a TP peer runs on another host (or on a GPU)
+            out = sender.send(actor.module, actor.hf_config, plan)
+            sent[in_place] = (out["stats"], out["bytes"], out["buckets"])
+        assert sent[True][1] > 0 and sent[True][2] > 2
+        assert sent[True] == sent[False]

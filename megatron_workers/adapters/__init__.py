@@ -26,6 +26,7 @@ from megatron_workers.adapters.base import (
     export_plan,
     hf_to_shard,
     local_rules,
+    shard_pieces,
     shards_to_hf,
 )
 from megatron_workers.adapters.base import hf_tensor_shapes as _shape_tensor_shapes
@@ -43,6 +44,7 @@ __all__ = [
     "iter_hf_tensors",
     "iter_stage_hf_tensors",
     "load_hf_weights",
+    "place_stage_shards",
     "read_decoder_shape",
     "stage_hf_tensor_shapes",
 ]
@@ -219,6 +221,26 @@ def iter_stage_hf_tensors(
         if receives:
             for name, tensor in zip(rule.hf_names, shards_to_hf(rule, shards, shape), strict=True):
                 yield name, tensor.contiguous()
+
+
+def place_stage_shards(model: torch.nn.Module, hf_config: Any, views: Mapping[str, torch.Tensor], *,
+                       replicated: bool) -> None:
+    """Copy this TP rank's shard of each of this stage's parameters into the HF tensors of `views` it covers (HF
+    name -> the full tensor's place, e.g. in a bucket every TP rank of the stage maps), cast to their dtype;
+    tensors not in `views` are skipped. Replicated tensors are written only with `replicated` (by one rank). Not
+    collective: the ranks together fill every view."""
+    shape = read_decoder_shape(hf_config)
+    tp, tp_rank, pp, stage = _position()
+    params = _unwrapped_params(model, shape, stage, pp)
+    hf_shapes = _shape_tensor_shapes(shape)
+    for owner, rule in export_plan(shape, pp, is_te_layout(params)):
+        if owner != stage or not any(n in views for n in rule.hf_names) or (rule.split == "replicated"
+                                                                             and not replicated):
+            continue
+        hf = [views[n] if n in views else torch.empty(hf_shapes[n], device="meta") for n in rule.hf_names]
+        for i, view, part in shard_pieces(rule, params[rule.megatron_name].detach(), hf, shape, tp, tp_rank):
+            if rule.hf_names[i] in views:
+                view.copy_(part)
 
 
 def export_hf_state_dict(

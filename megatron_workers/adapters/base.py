@@ -227,15 +227,6 @@ def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: Decode
     return torch.cat(parts, dim=1).reshape(-1, *rest)
 
 
-def _split_qkv(qkv: torch.Tensor, s: DecoderShape) -> list[torch.Tensor]:
-    """Inverse of `_interleave_qkv`."""
-    rest = qkv.shape[1:]
-    per_group = s.num_heads // s.num_kv_heads * s.head_dim
-    grouped = qkv.reshape(s.num_kv_heads, per_group + 2 * s.head_dim, *rest)
-    q, k, v = torch.split(grouped, [per_group, s.head_dim, s.head_dim], dim=1)
-    return [t.reshape(-1, *rest) for t in (q, k, v)]
-
-
 def hf_to_shard(rule: Rule, tensors: list[torch.Tensor], s: DecoderShape, tp: int, rank: int) -> torch.Tensor:
     """TP rank `rank`'s shard of the Megatron parameter `rule` fills, from its HF tensors."""
     if rule.split == "replicated":
@@ -250,15 +241,41 @@ def hf_to_shard(rule: Rule, tensors: list[torch.Tensor], s: DecoderShape, tp: in
     return torch.cat([gate.chunk(tp, dim=0)[rank], up.chunk(tp, dim=0)[rank]])
 
 
+def shard_pieces(rule: Rule, shard: torch.Tensor, hf: list[torch.Tensor], s: DecoderShape, tp: int,
+                 rank: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Where TP rank `rank`'s shard of `rule` lies in the full HF tensors `hf` (`rule.hf_names` order; meta tensors
+    stand for ones that are elsewhere): `(index in hf, view of hf[index], the part of shard that fills it)`, views
+    only. Copying every rank's parts into their views rebuilds what `hf_to_shard` split."""
+    if rule.split == "replicated":
+        return [(0, hf[0], shard)]
+    if rule.split in ("dim0", "dim1"):
+        return [(0, hf[0].chunk(tp, dim=0 if rule.split == "dim0" else 1)[rank], shard)]
+    if rule.split == "qkv":  # the shard holds kv groups [rank*g, (rank+1)*g), each [q_g, k_g, v_g]
+        rest, g = shard.shape[1:], s.num_kv_heads // tp
+        per_group = s.num_heads // s.num_kv_heads * s.head_dim
+        parts = torch.split(shard.reshape(g, per_group + 2 * s.head_dim, *rest),
+                            [per_group, s.head_dim, s.head_dim], dim=1)
+        return [(i, t.reshape(s.num_kv_heads, -1, *rest)[rank * g:(rank + 1) * g], part)
+                for i, (t, part) in enumerate(zip(hf, parts))]
+    gate, up = shard.chunk(2, dim=0)  # fc1: [gate_r; up_r]
+    return [(0, hf[0].chunk(tp, dim=0)[rank], gate), (1, hf[1].chunk(tp, dim=0)[rank], up)]
+
+
 def shards_to_hf(rule: Rule, shards: list[torch.Tensor], s: DecoderShape) -> list[torch.Tensor]:
     """Inverse of `hf_to_shard`: every TP rank's shard (rank order) -> the HF tensors, in `rule.hf_names` order."""
     if rule.split == "replicated":
         return [shards[0]]
+    tp, shape = len(shards), shards[0].shape
     if rule.split == "dim0":
-        return [torch.cat(shards, dim=0)]
-    if rule.split == "dim1":
-        return [torch.cat(shards, dim=1)]
-    if rule.split == "qkv":
-        return _split_qkv(torch.cat(shards, dim=0), s)
-    halves = [shard.chunk(2, dim=0) for shard in shards]  # fc1: each rank holds [gate_r; up_r]
-    return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
+        shapes = [(shape[0] * tp, *shape[1:])]
+    elif rule.split == "dim1":
+        shapes = [(shape[0], shape[1] * tp)]
+    elif rule.split == "qkv":
+        shapes = [(n * s.head_dim, *shape[1:]) for n in (s.num_heads, s.num_kv_heads, s.num_kv_heads)]
+    else:
+        shapes = [(shape[0] // 2 * tp, *shape[1:])] * 2
+    hf = [shards[0].new_empty(x) for x in shapes]
+    for rank, shard in enumerate(shards):
+        for _, view, part in shard_pieces(rule, shard, hf, s, tp, rank):
+            view.copy_(part)
+    return hf

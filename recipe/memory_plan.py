@@ -10,6 +10,8 @@ TP x PP shards its model; its DP shards its distributed optimizer's state):
 - gradient buffers: 4 bytes per parameter (fp32, reduced in fp32), actor and critic;
 - optimizer: fp32 main params (bf16 only) + two fp32 Adam moments, divided by DP with the distributed optimizer;
 - engine: weights N / rollout TP x its dtype's bytes; the KV cache gets the rest of its static share;
+- weight sync (the engine's weights resumed, its KV cache not yet): the actor's parameters, back on the GPU when
+  offloaded, and the senders' two buckets plus the largest tensor twice (gathered shards, then whole);
 - a fixed reserve per process on the GPU for the CUDA context and communication buffers (`CONTEXT_BYTES`).
 
 Activations are not counted: the training phase's line says how much is left for them. A plan that cannot fit
@@ -53,6 +55,7 @@ class MemoryPlan:
     engine_static: int  # the engine's share: weights + KV cache
     engine_weights: int
     reserve: int  # CUDA contexts of the processes on the GPU
+    sync_extra: int = 0  # during the weight sync, beyond the resident state: onloaded actor params, sender buffers
 
     @property
     def state(self) -> int:
@@ -68,6 +71,11 @@ class MemoryPlan:
         return self.gpu - self.engine_static - (self.state - self.offloaded) - self.reserve
 
     @property
+    def sync_free(self) -> int:
+        """Left during the weight sync: the engine's weights, the resident state, what the sync brings, the reserve."""
+        return self.gpu - self.engine_weights - (self.state - self.offloaded) - self.sync_extra - self.reserve
+
+    @property
     def training_free(self) -> int:
         """Left for activations during training (the engine has released its memory)."""
         return self.gpu - self.state - self.reserve
@@ -78,7 +86,7 @@ class MemoryPlan:
                 f"optimizer {g(self.optimizer)} GiB ({g(self.offloaded)} offloaded during the rollout); engine "
                 f"{g(self.engine_static)} GiB = weights {g(self.engine_weights)} + KV cache {g(self.kv_cache)}; "
                 f"reserve {g(self.reserve)} GiB; free: {g(self.rollout_free)} GiB in the rollout, "
-                f"{g(self.training_free)} GiB for activations in training")
+                f"{g(self.sync_free)} GiB in the weight sync, {g(self.training_free)} GiB for activations in training")
 
     def check(self) -> None:
         """Raise ConfigError naming the keys to change when a phase cannot fit."""
@@ -94,6 +102,12 @@ class MemoryPlan:
                 f"{(self.state - self.offloaded) / GIB:.1f} GiB of resident Megatron state exceed the GPU by "
                 f"{-self.rollout_free / GIB:.1f} GiB; set {', '.join(OFFLOAD_KEYS)} or lower "
                 "actor_rollout_ref.rollout.gpu_memory_utilization")
+        if self.sync_free < 0:
+            raise ConfigError(
+                f"the weight sync does not fit: the engine's weights, the resident Megatron state and the sync's "
+                f"{self.sync_extra / GIB:.1f} GiB (the actor's parameters and the sender's buckets) exceed the GPU by "
+                f"{-self.sync_free / GIB:.1f} GiB; lower actor_rollout_ref.rollout.update_weights_bucket_megabytes or "
+                "raise actor_rollout_ref.actor.megatron.tensor_model_parallel_size")
         if self.training_free < 0:
             raise ConfigError(
                 f"training does not fit: the Megatron state takes {self.state / GIB:.1f} GiB of the GPU's "
@@ -115,10 +129,17 @@ def plan_memory(cfg: PPOConfig, plan: PlacementPlan, hf_config: Any, gpu_bytes: 
         per_param = (4 if rm.dtype != "float32" else 0) + 8  # fp32 main params (bf16 only) + Adam moments
         optimizer += shard * per_param / (cfg.role_dp_size(role) if role.optim.use_distributed_optimizer else 1)
     offloaded = params * m.param_offload + grads * m.grad_offload + optimizer * m.optimizer_offload
-    engine_weights = parameter_count(hf_config) * DTYPE_BYTES[rollout.dtype] / rollout.tensor_model_parallel_size
+    engine_bytes = DTYPE_BYTES[rollout.dtype]
+    engine_weights = parameter_count(hf_config) * engine_bytes / rollout.tensor_model_parallel_size
+    c = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+    actor_params = parameter_count(hf_config) / (m.tensor_model_parallel_size * m.pipeline_model_parallel_size) \
+        * DTYPE_BYTES[m.dtype]
+    sync_extra = actor_params * m.param_offload + 2 * (rollout.update_weights_bucket_megabytes << 20) \
+        + 2 * c["vocab_size"] * c["hidden_size"] * engine_bytes
     return MemoryPlan(gpu=gpu_bytes, params=int(params), grads=int(grads), optimizer=int(optimizer),
                       offloaded=int(offloaded), engine_static=int(rollout.gpu_memory_utilization * gpu_bytes),
-                      engine_weights=int(engine_weights), reserve=CONTEXT_BYTES * (len(plan.roles) + 1))
+                      engine_weights=int(engine_weights), reserve=CONTEXT_BYTES * (len(plan.roles) + 1),
+                      sync_extra=int(sync_extra))
 
 
 def check_memory(cfg: PPOConfig, plan: PlacementPlan, hf_config: Any, gpu_bytes: int | None) -> MemoryPlan | None:

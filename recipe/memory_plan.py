@@ -12,6 +12,7 @@ TP x PP shards its model; its DP shards its distributed optimizer's state):
 - engine: weights N / rollout TP x its dtype's bytes; the KV cache gets the rest of its static share;
 - weight sync (the engine's weights resumed, its KV cache not yet): the actor's parameters, back on the GPU when
   offloaded, and the senders' two buckets plus the largest tensor twice (gathered shards, then whole);
+- checkpoint (the engine's whole share back): one role's parameters at a time, back on the GPU when offloaded;
 - a fixed reserve per process on the GPU for the CUDA context and communication buffers (`CONTEXT_BYTES`).
 
 Activations are not counted: the training phase's line says how much is left for them. A plan that cannot fit
@@ -56,6 +57,7 @@ class MemoryPlan:
     engine_weights: int
     reserve: int  # CUDA contexts of the processes on the GPU
     sync_extra: int = 0  # during the weight sync, beyond the resident state: onloaded actor params, sender buffers
+    onloaded_params: int = 0  # the largest trained role's offloaded params, back on the GPU to save a checkpoint
 
     @property
     def state(self) -> int:
@@ -76,6 +78,11 @@ class MemoryPlan:
         return self.gpu - self.engine_weights - (self.state - self.offloaded) - self.sync_extra - self.reserve
 
     @property
+    def checkpoint_free(self) -> int:
+        """Left while a checkpoint is written after a step: the rollout's share, less the parameters it brings back."""
+        return self.rollout_free - self.onloaded_params
+
+    @property
     def training_free(self) -> int:
         """Left for activations during training (the engine has released its memory)."""
         return self.gpu - self.state - self.reserve
@@ -86,7 +93,8 @@ class MemoryPlan:
                 f"optimizer {g(self.optimizer)} GiB ({g(self.offloaded)} offloaded during the rollout); engine "
                 f"{g(self.engine_static)} GiB = weights {g(self.engine_weights)} + KV cache {g(self.kv_cache)}; "
                 f"reserve {g(self.reserve)} GiB; free: {g(self.rollout_free)} GiB in the rollout, "
-                f"{g(self.sync_free)} GiB in the weight sync, {g(self.training_free)} GiB for activations in training")
+                f"{g(self.sync_free)} GiB in the weight sync, {g(self.checkpoint_free)} GiB while saving a checkpoint, "
+                f"{g(self.training_free)} GiB for activations in training")
 
     def check(self) -> None:
         """Raise ConfigError naming the keys to change when a phase cannot fit."""
@@ -108,6 +116,12 @@ class MemoryPlan:
                 f"{self.sync_extra / GIB:.1f} GiB (the actor's parameters and the sender's buckets) exceed the GPU by "
                 f"{-self.sync_free / GIB:.1f} GiB; lower actor_rollout_ref.rollout.update_weights_bucket_megabytes or "
                 "raise actor_rollout_ref.actor.megatron.tensor_model_parallel_size")
+        if self.checkpoint_free < 0:
+            raise ConfigError(
+                f"saving a checkpoint does not fit: the engine's {self.engine_static / GIB:.1f} GiB, the resident Megatron "
+                f"state and {self.onloaded_params / GIB:.1f} GiB of parameters back from the host exceed the GPU by "
+                f"{-self.checkpoint_free / GIB:.1f} GiB; lower actor_rollout_ref.rollout.gpu_memory_utilization or "
+                "raise actor_rollout_ref.actor.megatron.tensor_model_parallel_size")
         if self.training_free < 0:
             raise ConfigError(
                 f"training does not fit: the Megatron state takes {self.state / GIB:.1f} GiB of the GPU's "
@@ -118,13 +132,14 @@ class MemoryPlan:
 def plan_memory(cfg: PPOConfig, plan: PlacementPlan, hf_config: Any, gpu_bytes: int) -> MemoryPlan:
     """The hybrid plan's bytes on one GPU of `gpu_bytes` (see the module docstring)."""
     m, rollout = cfg.actor_rollout_ref.actor.megatron, cfg.actor_rollout_ref.rollout
-    params = grads = optimizer = 0.0
+    params = grads = optimizer = saved = 0.0
     for role in cfg.workers().values():
         rm = role.megatron
         shard = parameter_count(hf_config) / (rm.tensor_model_parallel_size * rm.pipeline_model_parallel_size)
         params += shard * DTYPE_BYTES[rm.dtype]
         if role.optim is None:  # the reference: parameters only
             continue
+        saved = max(saved, shard * DTYPE_BYTES[rm.dtype])  # a checkpointed role's parameters
         grads += shard * 4
         per_param = (4 if rm.dtype != "float32" else 0) + 8  # fp32 main params (bf16 only) + Adam moments
         optimizer += shard * per_param / (cfg.role_dp_size(role) if role.optim.use_distributed_optimizer else 1)
@@ -139,7 +154,7 @@ def plan_memory(cfg: PPOConfig, plan: PlacementPlan, hf_config: Any, gpu_bytes: 
     return MemoryPlan(gpu=gpu_bytes, params=int(params), grads=int(grads), optimizer=int(optimizer),
                       offloaded=int(offloaded), engine_static=int(rollout.gpu_memory_utilization * gpu_bytes),
                       engine_weights=int(engine_weights), reserve=CONTEXT_BYTES * (len(plan.roles) + 1),
-                      sync_extra=int(sync_extra))
+                      sync_extra=int(sync_extra), onloaded_params=int(saved * m.param_offload))
 
 
 def check_memory(cfg: PPOConfig, plan: PlacementPlan, hf_config: Any, gpu_bytes: int | None) -> MemoryPlan | None:

@@ -1,7 +1,7 @@
 """The hybrid memory plan (`recipe.memory_plan`): what each GPU holds in each phase, checked before Ray starts.
 
 Contract: the GSM8K preset's layout for Qwen2.5-3B fits an 80 GB GPU with its offload keys on, in the rollout, the
-weight sync and training; plans that cannot fit are refused naming the keys to change.
+weight sync, a checkpoint and training; plans that cannot fit are refused naming the keys to change.
 """
 from __future__ import annotations
 
@@ -52,18 +52,23 @@ def test_qwen_3b_preset_fits_an_80gb_gpu(tmp_path, caplog):
     # the weight sync: the actor's bf16 shard back on the GPU, two 512 MiB buckets, the embedding twice in bf16
     assert memory.sync_extra == pytest.approx(3.09e9 / 2 * 2 + 2 * 2**29 + 2 * 151936 * 2048 * 2, rel=0.02)
     assert memory.sync_free > 50 * GIB
+    assert memory.onloaded_params == pytest.approx(3.09e9 / 2 * 2, rel=0.02)  # the actor's shard, for its checkpoint
+    assert 0 < memory.checkpoint_free < memory.rollout_free
 
 
 def test_plans_that_cannot_fit_are_refused_naming_the_keys(tmp_path):
     """Contract: resident training state next to a large engine share, an engine share smaller than its weights,
-    weight-sync buckets that do not fit next to the engine's weights, and training state larger than the GPU are
-    each refused with the keys to change; fp32 costs more than bf16."""
+    weight-sync buckets that do not fit next to the engine's weights, an engine share that leaves no room for the
+    parameters a checkpoint brings back, and training state larger than the GPU are each refused with the keys to change; fp32 costs more than bf16."""
     resident = [k.replace("=true", "=false") for k in OFFLOAD]  # the preset offloads; keep the state resident
     cfg, plan = preset(tmp_path, [*resident, "actor_rollout_ref.rollout.gpu_memory_utilization=0.9"])
     with pytest.raises(ConfigError, match="param_offload=true.*gpu_memory_utilization"):
         plan_memory(cfg, plan, QWEN25_3B, GPU_80GB).check()
     cfg, plan = preset(tmp_path, OFFLOAD + ["actor_rollout_ref.rollout.gpu_memory_utilization=0.03"])
     with pytest.raises(ConfigError, match="no room for a KV cache"):
+        plan_memory(cfg, plan, QWEN25_3B, GPU_80GB).check()
+    cfg, plan = preset(tmp_path, [*OFFLOAD, "actor_rollout_ref.rollout.gpu_memory_utilization=0.93"])
+    with pytest.raises(ConfigError, match="saving a checkpoint does not fit.*gpu_memory_utilization"):
         plan_memory(cfg, plan, QWEN25_3B, GPU_80GB).check()
     cfg, plan = preset(tmp_path, [*OFFLOAD, "actor_rollout_ref.rollout.update_weights_bucket_megabytes=40000"])
     with pytest.raises(ConfigError, match="weight sync does not fit.*update_weights_bucket_megabytes"):

@@ -51,8 +51,9 @@ logger = logging.getLogger(__name__)
 RESULT_KEYS = (
     "params", "bytes", "bucket_mb", "tensor_s", "distributed_s", "disk_s", "peak_extra_mb", "tensor_speedup",
     "distributed_speedup", "check_s", "memcpy_gbps", "tensor_gbps", "distributed_gbps", "tensor_memcpy_fraction",
-    "distributed_memcpy_fraction", "tensor_first_s", "distributed_first_s", "tensor_control_s", "export_s", "export_wall_s", "serialize_s",
-    "engine_load_s", "fp32_tensor_s", "fp32_distributed_s", "fp32_disk_s", "fp32_tensor_gbps", "fp32_distributed_gbps",
+    "distributed_memcpy_fraction", "tensor_first_s", "distributed_first_s", "tensor_control_s", "export_s",
+    "export_wall_s", "serialize_s", "engine_load_s", "fp32_tensor_s", "fp32_distributed_s", "fp32_disk_s",
+    "fp32_tensor_gbps", "fp32_distributed_gbps",
 )
 
 QWEN2_5_0_5B = {

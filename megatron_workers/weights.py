@@ -4,10 +4,10 @@ Each pipeline stage exports its own layers into flat byte buckets of at most `bu
 dtype, the engine's (`bucket_by_bytes` plans them from the shapes alone, so every rank cuts the
 same buckets). A bucket is filled one of two ways:
 
-- in place (`fill_buckets_in_place`), when the parameters are in host memory and every TP rank of
-  the stage runs on this host: each TP rank copies its own shards, cast on the way, straight into
-  their places in the senders' shared-memory bucket (`adapters.place_stage_shards`), which the
-  other ranks map once; nothing crosses the TP group but two barriers per bucket;
+- in place (`fill_buckets_in_place`), when the parameters are in host memory, every TP rank of the
+  stage runs on this host and one of them sends: each TP rank copies its own shards, cast on the way,
+  straight into their places in the sender's shared-memory bucket (`adapters.place_stage_shards`),
+  which the other ranks map for the sync; nothing crosses the TP group but two barriers per bucket;
 - by gather (`stream_buckets`), otherwise (GPUs: a device bucket cannot be shared across GPUs): every
   tensor's shards are cast and gathered over the stage's TP group one tensor at a time, re-split into
   HF layout (`adapters.iter_stage_hf_tensors`) and copied into the bucket.
@@ -357,7 +357,6 @@ class WeightSender:
     def __init__(self) -> None:
         self._groups: dict[str, dist.ProcessGroup] = {}  # distributed path, by group name
         self._buffers = BucketBuffers()  # kept across syncs (host memory)
-        self._mapped: tuple[bytes | None, list[torch.Tensor]] = (None, [])  # another rank's buffers: handle, tensors
         self._same_host: bool | None = None  # every TP rank of this stage on this host (asked on the first sync)
 
     @staticmethod
@@ -430,16 +429,16 @@ class WeightSender:
         metas = [(n, torch.empty(s, dtype=dtype, device="meta")) for n, s in shapes.items()]
         buckets = list(bucket_by_bytes(metas, plan["bucket_bytes"]))
         meter = MemoryMeter()
-        if self._fills_in_place(module, tp_group):  # every TP rank writes its shards into the senders' buckets
-            receives = tp_rank in senders
-            owner = dist.get_process_group_ranks(tp_group)[senders[0]]
-            sizes = [sum(tensor_bytes(t) for _, t in planned) for planned in buckets]
-            handle = [serialize(self._buffers.pair(sizes, torch.device("cpu"))) if dist.get_rank() == owner else None]
-            dist.broadcast_object_list(handle, src=owner, group=tp_group)
-            if dist.get_rank() != owner and handle[0] != self._mapped[0]:
-                self._mapped = (handle[0], pickle.loads(handle[0]))  # the owner's buffers, mapped here once
-            buffers = self._buffers.pair(sizes, torch.device("cpu")) if dist.get_rank() == owner else self._mapped[1]
-            place = functools.partial(place_stage_shards, module, hf_config, replicated=dist.get_rank() == owner)
+        if len(senders) == 1 and self._fills_in_place(module, tp_group):  # all write their shards into its buckets
+            receives = is_owner = tp_rank == senders[0]
+            if is_owner:
+                sizes = [sum(tensor_bytes(t) for _, t in planned) for planned in buckets]
+                buffers = self._buffers.pair(sizes, torch.device("cpu"))
+            handle = [serialize(buffers) if is_owner else None]
+            dist.broadcast_object_list(handle, src=dist.get_process_group_ranks(tp_group)[senders[0]], group=tp_group)
+            if not is_owner:  # the owner's buffers, mapped for this sync only: a mapping held by a process that is
+                buffers = pickle.loads(handle[0])  # killed later is a reference torch's shm manager never drops
+            place = functools.partial(place_stage_shards, module, hf_config, replicated=is_owner)
             filled = fill_buckets_in_place(place, buckets, buffers, tp_group, meter)
         else:  # gather each tensor to the sender (or to every TP rank when several serialize), then pack it
             dst = senders[0] if len(senders) == 1 else None

@@ -132,14 +132,15 @@ class MemoryPlan:
 def plan_memory(cfg: PPOConfig, plan: PlacementPlan, hf_config: Any, gpu_bytes: int) -> MemoryPlan:
     """The hybrid plan's bytes on one GPU of `gpu_bytes` (see the module docstring)."""
     m, rollout = cfg.actor_rollout_ref.actor.megatron, cfg.actor_rollout_ref.rollout
-    params = grads = optimizer = saved = 0.0
-    for role in cfg.workers().values():
+    params = grads = optimizer = 0.0
+    role_params: dict[str, float] = {}  # the trained roles' (checkpointed) parameter bytes
+    for name, role in cfg.workers().items():
         rm = role.megatron
         shard = parameter_count(hf_config) / (rm.tensor_model_parallel_size * rm.pipeline_model_parallel_size)
         params += shard * DTYPE_BYTES[rm.dtype]
         if role.optim is None:  # the reference: parameters only
             continue
-        saved = max(saved, shard * DTYPE_BYTES[rm.dtype])  # a checkpointed role's parameters
+        role_params[name] = shard * DTYPE_BYTES[rm.dtype]
         grads += shard * 4
         per_param = (4 if rm.dtype != "float32" else 0) + 8  # fp32 main params (bf16 only) + Adam moments
         optimizer += shard * per_param / (cfg.role_dp_size(role) if role.optim.use_distributed_optimizer else 1)
@@ -147,14 +148,12 @@ def plan_memory(cfg: PPOConfig, plan: PlacementPlan, hf_config: Any, gpu_bytes: 
     engine_bytes = DTYPE_BYTES[rollout.dtype]
     engine_weights = parameter_count(hf_config) * engine_bytes / rollout.tensor_model_parallel_size
     c = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
-    actor_params = parameter_count(hf_config) / (m.tensor_model_parallel_size * m.pipeline_model_parallel_size) \
-        * DTYPE_BYTES[m.dtype]
-    sync_extra = actor_params * m.param_offload + 2 * (rollout.update_weights_bucket_megabytes << 20) \
+    sync_extra = role_params["actor"] * m.param_offload + 2 * (rollout.update_weights_bucket_megabytes << 20) \
         + 2 * c["vocab_size"] * c["hidden_size"] * engine_bytes
     return MemoryPlan(gpu=gpu_bytes, params=int(params), grads=int(grads), optimizer=int(optimizer),
                       offloaded=int(offloaded), engine_static=int(rollout.gpu_memory_utilization * gpu_bytes),
                       engine_weights=int(engine_weights), reserve=CONTEXT_BYTES * (len(plan.roles) + 1),
-                      sync_extra=int(sync_extra), onloaded_params=int(saved * m.param_offload))
+                      sync_extra=int(sync_extra), onloaded_params=int(max(role_params.values()) * m.param_offload))
 
 
 def check_memory(cfg: PPOConfig, plan: PlacementPlan, hf_config: Any, gpu_bytes: int | None) -> MemoryPlan | None:

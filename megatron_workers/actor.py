@@ -91,7 +91,7 @@ class MegatronActor(MegatronRunner):
         """Stream this stage's weights to the engines (`WeightSender.send`); collective over the TP group. Offloaded
         parameters come back to the device for it (the trainer syncs after the offload that follows training)."""
         with self.params_on_device():
-            return self._weight_sender.send(self.module, self.hf_config, plan)
+            return self._weight_sender.send(self.modules, self.hf_config, plan)
 
     @functools.cached_property
     def _weight_sender(self) -> "WeightSender":

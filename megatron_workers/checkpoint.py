@@ -1,7 +1,7 @@
 """Save / resume a Megatron worker group, and export to an HF checkpoint directory.
 
 Resume checkpoints are per rank: `DIR/rank_{r:05d}.pt` holds global rank `r`'s model shard
-(GPTModel state dict), optimizer state (Megatron's optimizer `state_dict`), LR scheduler,
+(GPTModel state dict; one per model chunk under virtual pipeline stages), optimizer state (Megatron's optimizer `state_dict`), LR scheduler,
 RNG states (python, numpy, torch CPU, CUDA when present, Megatron's RNG tracker) and the
 step; `DIR/meta.json` (written by rank 0) records the layout and the step. Every rank
 writes its own file, so a save costs one write per rank.
@@ -53,8 +53,18 @@ def _layout(optimizer: Any) -> dict[str, int | bool]:
         "tp": mpu.get_tensor_model_parallel_world_size(),
         "pp": mpu.get_pipeline_model_parallel_world_size(),
         "dp": mpu.get_data_parallel_world_size(),
+        "vpp": mpu.get_virtual_pipeline_model_parallel_world_size() or 1,
         "distributed_optimizer": _distributed(optimizer),
     }
+
+
+_LAYOUT_DEFAULTS = {"distributed_optimizer": False, "vpp": 1}  # what a checkpoint that does not record them had
+
+
+def model_keys(chunks: int) -> list[str]:
+    """Where each of a rank's `chunks` model chunks keeps its state dict in the rank file: "model", or "model0",
+    "model1"... under virtual pipeline stages (Megatron-LM's names)."""
+    return ["model"] if chunks == 1 else [f"model{i}" for i in range(chunks)]
 
 
 def _rank_file(path: Path, rank: int) -> Path:
@@ -122,8 +132,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_tracker"])
 
 
-def save_rank(path: str | Path, module: torch.nn.Module, optimizer: Any, scheduler: Any, step: int) -> None:
-    """Write this rank's resume file (collective: every rank calls it; returns after all wrote)."""
+def save_rank(path: str | Path, modules: list[torch.nn.Module], optimizer: Any, scheduler: Any, step: int) -> None:
+    """Write this rank's resume file for its model chunks (collective: every rank calls it; returns after all
+    wrote)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     rank = torch.distributed.get_rank()
@@ -131,7 +142,7 @@ def save_rank(path: str | Path, module: torch.nn.Module, optimizer: Any, schedul
         "layout": _layout(optimizer),
         "coords": (mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank(), mpu.get_data_parallel_rank()),
         "step": step,
-        "model": module.state_dict(),
+        **{key: m.state_dict() for key, m in zip(model_keys(len(modules)), modules)},
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "optimizer_shards": _sharded_param_state(optimizer) if _distributed(optimizer) else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -147,7 +158,7 @@ def save_rank(path: str | Path, module: torch.nn.Module, optimizer: Any, schedul
     logger.info("rank %d saved step %d to %s", rank, step, path)
 
 
-def load_rank(path: str | Path, module: torch.nn.Module, optimizer: Any, scheduler: Any) -> int:
+def load_rank(path: str | Path, modules: list[torch.nn.Module], optimizer: Any, scheduler: Any) -> int:
     """Restore this rank's model, optimizer, scheduler and RNG from `save_rank`'s files; returns the step.
 
     Refuses a checkpoint written with another layout (the files are per-rank shards).
@@ -158,16 +169,17 @@ def load_rank(path: str | Path, module: torch.nn.Module, optimizer: Any, schedul
         raise FileNotFoundError(f"{meta_file} not found: {path} is not a complete polyturn resume checkpoint")
     meta = json.loads(meta_file.read_text())
     here = _layout(optimizer)
-    saved = {k: meta.get(k, False) for k in here}
+    saved = {k: meta.get(k, _LAYOUT_DEFAULTS.get(k)) for k in here}
     if saved != here:
         raise ValueError(
             f"checkpoint {path} was saved with layout {saved} but this group is {here}; resume with the "
-            "same tp/pp/dp and optim.use_distributed_optimizer, or export_hf and start a new group from the HF "
+            "same tp/pp/dp/vpp and optim.use_distributed_optimizer, or export_hf and start a new group from the HF "
             "checkpoint"
         )
     rank = torch.distributed.get_rank()
     state = torch.load(_rank_file(path, rank), map_location="cpu", weights_only=False)
-    module.load_state_dict(state["model"], strict=True)
+    for key, m in zip(model_keys(len(modules)), modules):
+        m.load_state_dict(state[key], strict=True)
     if optimizer is not None:
         if state["optimizer"] is None:
             raise ValueError(f"checkpoint {path} holds no optimizer state (saved by a reference worker)")
@@ -181,7 +193,7 @@ def load_rank(path: str | Path, module: torch.nn.Module, optimizer: Any, schedul
     return int(state["step"])
 
 
-def export_hf(path: str | Path, module: torch.nn.Module, hf_config: Any, source_dir: Optional[str | Path],
+def export_hf(path: str | Path, modules: list[torch.nn.Module], hf_config: Any, source_dir: Optional[str | Path],
               dtype: torch.dtype) -> None:
     """Write an HF checkpoint dir from the sharded model in `dtype` (collective; rank 0 writes).
 
@@ -190,7 +202,7 @@ def export_hf(path: str | Path, module: torch.nn.Module, hf_config: Any, source_
     """
     from safetensors.torch import save_file
 
-    state = mmodel.export_hf_state_dict(module, hf_config, dst_rank=0)
+    state = mmodel.export_hf_state_dict(modules, hf_config, dst_rank=0)
     if state is not None:
         path = Path(path)
         hf_config = copy.deepcopy(hf_config)

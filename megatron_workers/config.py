@@ -65,6 +65,10 @@ class MegatronConfig:
     """Ranks that split each layer's weights (Megatron TP)."""
     pipeline_model_parallel_size: int = 1
     """Ranks that split the layers into stages (Megatron PP)."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline rank (Megatron's virtual pipeline stages, verl's key): rank r holds every PP-th
+    slice of layers and Megatron's interleaved schedule runs them, for a smaller pipeline bubble. Needs
+    pipeline_model_parallel_size > 1 and layers divisible by PP x this. None or 1: one chunk per rank."""
     param_offload: bool = False
     """Keep the parameters in CPU memory outside the training phase (colocated engines get the GPU memory)."""
     grad_offload: bool = False
@@ -87,6 +91,12 @@ class MegatronConfig:
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} is {getattr(self, key)}; it must be >= 1")
+        if self.virtual_pipeline_model_parallel_size is not None and self.virtual_pipeline_model_parallel_size < 1:
+            raise ValueError(f"virtual_pipeline_model_parallel_size is {self.virtual_pipeline_model_parallel_size}; "
+                             "it must be >= 1 (or null)")
+        if self.vpp > 1 and self.pipeline_model_parallel_size == 1:
+            raise ValueError(f"virtual_pipeline_model_parallel_size is {self.vpp}: virtual stages split pipeline "
+                             "stages; set pipeline_model_parallel_size > 1, or drop the key")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype is {self.dtype!r}; use one of {DTYPES}")
         if self.override_transformer_config:
@@ -108,6 +118,11 @@ class MegatronConfig:
                              "which is not installed; install a build for this torch and CUDA, or drop the key")
         if self.override_transformer_config.get("recompute_granularity") == "full":
             self.recompute_activations()  # Megatron's full recompute needs a method and a layer count: fill them
+
+    @property
+    def vpp(self) -> int:
+        """Model chunks per pipeline rank (virtual_pipeline_model_parallel_size, 1 when unset)."""
+        return self.virtual_pipeline_model_parallel_size or 1
 
     def recompute_activations(self) -> None:
         """Turn on Megatron's full activation recompute (`FULL_RECOMPUTE`) under what override_transformer_config

@@ -25,7 +25,6 @@ from typing import Any, Optional
 
 import torch
 
-from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from megatron_workers.runner import Batch, LossFn, MegatronRunner, MicroBatch, validate_batch
@@ -61,10 +60,10 @@ class MegatronCritic(MegatronRunner):
 
     head_seed = 1234  # the value head's init seed (same on every rank)
 
-    def _build_model(self, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
-        module = super()._build_model(hf_state)
+    def _build_model(self, hf_state: dict[str, torch.Tensor], vp_stage: int | None) -> torch.nn.Module:
+        module = super()._build_model(hf_state, vp_stage)
         module.share_embeddings_and_output_weights = False
-        if mpu.is_pipeline_last_stage():
+        if module.post_process:
             device = next(module.parameters()).device
             module.output_layer = ValueHead(
                 module.config.hidden_size, module.config.init_method_std, self.head_seed, module.config.sequence_parallel

@@ -95,10 +95,13 @@ def build_gpt_model(
     *,
     pre_process: bool | None = None,
     post_process: bool | None = None,
+    vp_stage: int | None = None,
     **overrides: Any,
 ) -> GPTModel:
     """This rank's `GPTModel` stage (TP/PP position from `parallel_state`), randomly initialised;
     fill it with `load_hf_weights`. `overrides` go to `hf_to_transformer_config` (params_dtype too).
+    With virtual pipeline stages (`parallel_state`'s virtual size), `vp_stage` picks which of this rank's model
+    chunks to build: chunk c of pipeline rank r holds the layers of virtual stage c * PP + r.
 
     Needs `parallel.init_distributed` first. By default Megatron's local layer spec (no TransformerEngine)
     with `attention.PackedAttention` as its core attention: the model takes packed sequences
@@ -110,6 +113,8 @@ def build_gpt_model(
     shape = read_decoder_shape(hf_config)
     overrides.setdefault("tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size())
     overrides.setdefault("pipeline_model_parallel_size", parallel_state.get_pipeline_model_parallel_world_size())
+    overrides.setdefault("virtual_pipeline_model_parallel_size",
+                         parallel_state.get_virtual_pipeline_model_parallel_world_size())
     config = hf_to_transformer_config(hf_config, **overrides)
     if config.transformer_impl == "transformer_engine":
         spec, norm = _te_spec(shape)
@@ -120,18 +125,22 @@ def build_gpt_model(
         if shape.qk_norm:
             attn.q_layernorm = attn.k_layernorm = RMSNorm
         attn.core_attention = PackedAttention
-    block = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=norm)
+    block = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                       layer_norm=norm)
+    first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     return GPTModel(
         config=config,
         transformer_layer_spec=block,
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage() if pre_process is None else pre_process,
-        post_process=parallel_state.is_pipeline_last_stage() if post_process is None else post_process,
+        pre_process=first if pre_process is None else pre_process,
+        post_process=last if post_process is None else post_process,
         share_embeddings_and_output_weights=shape.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_percent=1.0,
         rotary_base=shape.rope_theta,
+        vp_stage=vp_stage,
     )
 
 

@@ -32,16 +32,19 @@ class Pack:
                 "cu_seqlens": self.cu_seqlens, "pack_index": self.index}
 
 
-def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, multiple: int = 1) -> Pack:
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, multiple: int = 1, length: int | None = None) -> Pack:
     """Pack the real tokens of `input_ids (b, S)` (where `attention_mask (b, S)` is 1), row by row.
 
     `multiple` > 1 (sequence parallelism splits the pack over the TP ranks) pads the pack to a multiple of it
-    with a last sequence of token 0 that no row's `index` points to.
+    with a last sequence of token 0 that no row's `index` points to; `length` (at least the real tokens) pads it
+    to exactly that many tokens the same way.
     """
     real = attention_mask.bool()  # (b, S)
     lengths = real.sum(dim=1)  # (b,)
     t = int(lengths.sum())
-    pad = -t % multiple
+    pad = -t % multiple if length is None else length - t
+    if pad < 0:
+        raise ValueError(f"pack length {length} is shorter than the {t} real tokens")
     if pad:
         lengths = torch.cat([lengths, torch.tensor([pad])])
     cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)

@@ -28,15 +28,16 @@ from megatron_workers.adapters import read_decoder_shape
 logger = logging.getLogger(__name__)
 
 
-def validate_layout(hf_config: Any | Mapping[str, Any], tp: int, pp: int) -> None:
-    """Refuse a TP x PP layout the model cannot take; raises ValueError naming each field and fix.
+def validate_layout(hf_config: Any | Mapping[str, Any], tp: int, pp: int, vpp: int = 1) -> None:
+    """Refuse a TP x PP (x virtual pipeline stages per rank) layout the model cannot take; raises ValueError naming
+    each field and fix.
 
     Also refuses an unsupported architecture (see `adapters.read_decoder_shape`).
     """
     shape = read_decoder_shape(hf_config)
     problems: list[str] = []
-    if tp < 1 or pp < 1:
-        problems.append(f"tp={tp}, pp={pp}: both must be >= 1")
+    if tp < 1 or pp < 1 or vpp < 1:
+        problems.append(f"tp={tp}, pp={pp}, vpp={vpp}: each must be >= 1")
     else:
         for field, value in (
             ("num_attention_heads", shape.num_heads),
@@ -54,8 +55,15 @@ def validate_layout(hf_config: Any | Mapping[str, Any], tp: int, pp: int) -> Non
                 f"num_hidden_layers={shape.num_layers} is not divisible by pp={pp}; "
                 f"choose a pipeline parallel size that divides {shape.num_layers}"
             )
+        elif shape.num_layers % (pp * vpp):
+            problems.append(
+                f"num_hidden_layers={shape.num_layers} is not divisible by pp * vpp={pp * vpp}; choose a "
+                f"virtual_pipeline_model_parallel_size that divides {shape.num_layers // pp} (the layers per stage)"
+            )
+        if vpp > 1 and pp == 1:
+            problems.append(f"vpp={vpp} needs pipeline stages: set pipeline_model_parallel_size > 1, or vpp to 1")
     if problems:
-        raise ValueError(f"model does not fit tp={tp}, pp={pp}: " + "; ".join(problems))
+        raise ValueError(f"model does not fit tp={tp}, pp={pp}, vpp={vpp}: " + "; ".join(problems))
 
 
 def init_distributed(
@@ -66,6 +74,7 @@ def init_distributed(
     tp: int,
     pp: int,
     backend: str = "nccl",
+    vpp: int = 1,
     seed: int = 1234,
     timeout_minutes: int = 30,
 ) -> None:
@@ -73,7 +82,8 @@ def init_distributed(
 
     backend: the torch.distributed backend, as `cpu_compat.apply_cpu_compat()` answered at the
     process's start ("nccl", which also binds the rank to a local GPU, or "gloo"). world_size must
-    be a multiple of tp * pp (the rest is data parallel). Seeds torch and Megatron's RNG tracker
+    be a multiple of tp * pp (the rest is data parallel). `vpp` > 1: each pipeline rank holds that many model
+    chunks, run by Megatron's interleaved schedule (`build_gpt_model(vp_stage=...)`). Seeds torch and Megatron's RNG tracker
     with `seed`.
     """
     if world_size % (tp * pp):
@@ -94,6 +104,7 @@ def init_distributed(
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         distributed_timeout_minutes=timeout_minutes,
     )
     random.seed(seed)  # every RNG a checkpoint holds starts from the seed, so two runs' checkpoints compare

@@ -145,38 +145,61 @@ class MicroBatch:
                 "cu_seqlens": self.pack.cu_seqlens, "response_index": response_index}
 
 
-def _make_micro_batch(batch: Batch, rows: torch.Tensor, multiple: int) -> MicroBatch:
+def _make_micro_batch(batch: Batch, rows: torch.Tensor, multiple: int, length: int | None = None) -> MicroBatch:
     tensors = {k: v.index_select(0, rows) for k, v in batch.items()}
     return MicroBatch(rows=rows, tensors=tensors,
-                      pack=packing.pack(tensors["input_ids"], tensors["attention_mask"], multiple))
+                      pack=packing.pack(tensors["input_ids"], tensors["attention_mask"], multiple, length))
 
 
 def split_micro_batches(batch: Batch, cfg: WorkerConfig, forward_only: bool = False,
-                        multiple: int = 1) -> list[MicroBatch]:
+                        multiple: int = 1, interleaved_pp: int = 1) -> list[MicroBatch]:
     """Fixed-size micro-batches in order, or (use_dynamic_bsz) rows packed first-fit by decreasing
     length so that each micro-batch's real tokens stay within `ppo_max_token_len_per_gpu` (a longer
     single row gets its own). `forward_only` passes (log-probs, values) use the `log_prob_*` sizes
-    where they are set. Each pack is padded to a multiple of `multiple` (the TP size under sequence parallelism)."""
+    where they are set. Each pack is padded to a multiple of `multiple` (the TP size under sequence parallelism).
+
+    `interleaved_pp` > 1 (the PP size under virtual pipeline stages) shapes them for Megatron's interleaved schedule,
+    which runs micro-batches in groups of PP and exchanges fixed shapes between stages: when the count is not a
+    multiple of PP, the rows are spread over the next multiple instead, balancing real tokens (smaller micro-batches,
+    so both limits still hold), where there are enough rows; and every pack is padded to the longest one's length."""
     B = batch["input_ids"].shape[0]
     size, dynamic, max_tokens = cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
     if forward_only:
         size = cfg.log_prob_micro_batch_size_per_gpu or size
         dynamic = dynamic if cfg.log_prob_use_dynamic_bsz is None else cfg.log_prob_use_dynamic_bsz
         max_tokens = cfg.log_prob_max_token_len_per_gpu or max_tokens
-    if not dynamic:
-        return [_make_micro_batch(batch, torch.arange(i, min(i + size, B)), multiple) for i in range(0, B, size)]
     lengths = batch["attention_mask"].sum(dim=1).tolist()
-    packs: list[list[int]] = []
-    loads: list[int] = []
-    for i in sorted(range(B), key=lambda r: -lengths[r]):
-        fit = next((p for p, load in enumerate(loads) if load + lengths[i] <= max_tokens), None)
-        if fit is None:
-            packs.append([i])
-            loads.append(lengths[i])
-        else:
-            packs[fit].append(i)
-            loads[fit] += lengths[i]
-    return [_make_micro_batch(batch, torch.tensor(sorted(p)), multiple) for p in packs]
+    if not dynamic:
+        packs = [list(range(i, min(i + size, B))) for i in range(0, B, size)]
+    else:
+        packs, loads = [], []
+        for i in sorted(range(B), key=lambda r: -lengths[r]):
+            fit = next((p for p, load in enumerate(loads) if load + lengths[i] <= max_tokens), None)
+            if fit is None:
+                packs.append([i])
+                loads.append(lengths[i])
+            else:
+                packs[fit].append(i)
+                loads[fit] += lengths[i]
+    if interleaved_pp == 1:
+        return [_make_micro_batch(batch, torch.tensor(sorted(p)), multiple) for p in packs]
+    count = -(-len(packs) // interleaved_pp) * interleaved_pp
+    if count != len(packs) and count <= B:
+        packs = _balanced(lengths, count)
+    longest = max(sum(lengths[r] for r in p) for p in packs)
+    return [_make_micro_batch(batch, torch.tensor(sorted(p)), multiple, length=-(-longest // multiple) * multiple)
+            for p in packs]
+
+
+def _balanced(lengths: list[int], count: int) -> list[list[int]]:
+    """Rows spread over `count` non-empty groups (count <= rows), longest first into the lightest group."""
+    groups: list[list[int]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for i in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
+        g = min(range(count), key=lambda j: (loads[j], len(groups[j])))
+        groups[g].append(i)
+        loads[g] += lengths[i]
+    return groups
 
 
 def _scatter_rows(chunks: list[tuple[torch.Tensor, torch.Tensor]], B: int, T: int) -> torch.Tensor:
@@ -204,31 +227,40 @@ class MegatronRunner:
         self.hf_dir = Path(hf_dir)
         self.cfg = cfg
         self.hf_config, hf_state = mmodel.load_hf_checkpoint(self.hf_dir)
-        module = self._build_model(hf_state)
+        vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
+        modules = [self._build_model(hf_state, vp_stage) for vp_stage in (range(vpp) if vpp else [None])]
         del hf_state
-        module.config.finalize_model_grads_func = _finalize_grads_summed
+        for module in modules:
+            module.config.finalize_model_grads_func = _finalize_grads_summed
         self.step = 0  # optimizer steps taken
         self.optimizer = None
         self._offloaded: dict[str, bool] = {}  # what `offload` moved to CPU memory: "params", "grads", "optimizer"
         self.scheduler = None
         if cfg.optim is None:  # reference policy: a bare model, no gradient buffers
-            module.requires_grad_(False)
-            self.model = [module]
+            for module in modules:
+                module.requires_grad_(False)
+            self.model = modules
             return
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=True, use_distributed_optimizer=cfg.optim.use_distributed_optimizer
         )
-        self.model = [DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)]
+        # Chunks after the first are one gradient bucket each (as Megatron-LM builds them): under the interleaved
+        # schedule a chunk's reduction starts once its last micro-batch's backward is done.
+        self.model = [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0)
+                      for i, m in enumerate(modules)]
         # The DP reduction of each gradient bucket starts during the last micro-batch's backward, as soon as the
         # bucket is complete; earlier micro-batches only accumulate (the schedule enters no_sync around them), and
         # finalize_model_grads waits for the reductions.
-        module.config.no_sync_func = self.model[0].no_sync
+        no_sync = [chunk.no_sync for chunk in self.model]
+        for module in modules:
+            module.config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
         self._build_optimizer(cfg.optim)
 
     @property
-    def module(self) -> torch.nn.Module:
-        """This rank's GPTModel stage, without the DDP wrapper."""
-        return unwrap_model(self.model[0])
+    def modules(self) -> list[torch.nn.Module]:
+        """This rank's GPTModel stage, without the DDP wrapper: one model chunk per virtual pipeline stage (one
+        without them)."""
+        return [unwrap_model(chunk) for chunk in self.model]
 
     # -- construction ---------------------------------------------------------------------
     @property
@@ -236,17 +268,24 @@ class MegatronRunner:
         """The parameters' and activations' dtype (`megatron.dtype`)."""
         return getattr(torch, self.cfg.megatron.dtype)
 
-    def _build_model(self, hf_state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    def _build_model(self, hf_state: dict[str, torch.Tensor], vp_stage: int | None) -> torch.nn.Module:
+        """This rank's model chunk `vp_stage` (None: its only one), filled from the HF state dict."""
         sp = self.cfg.megatron.sequence_parallel and mpu.get_tensor_model_parallel_world_size() > 1
         module = mmodel.build_gpt_model(
-            self.hf_config, params_dtype=self.params_dtype,
+            self.hf_config, params_dtype=self.params_dtype, vp_stage=vp_stage,
             calculate_per_token_loss=True,  # the schedule sums the callers' loss contributions
             **{"sequence_parallel": sp,
                **self.cfg.megatron.override_transformer_config},  # verl's TransformerConfig passthrough
         )
-        # Micro-batches carry their own window length; set after construction because
-        # TransformerConfig's MoE checks refuse it at init even for dense models.
-        module.config.variable_seq_lengths = True
+        if vp_stage is None:
+            # Micro-batches carry their own window length; set after construction because
+            # TransformerConfig's MoE checks refuse it at init even for dense models.
+            module.config.variable_seq_lengths = True
+        else:
+            # The interleaved schedule gets packs of one length per pass (`split_micro_batches`): with PP=2 its
+            # stages exchange activations and gradients in both directions with the same peer, which only
+            # Megatron's unbatched p2p keeps apart (a communicator per direction), and shapes it cannot exchange.
+            module.config.overlap_p2p_comm, module.config.batch_p2p_comm = True, False
         for p in module.parameters():  # the local spec's torch norms are built fp32; Megatron's Float16Module casts all
             p.data = p.data.to(self.params_dtype)
         mmodel.load_hf_weights(module, hf_state, self.hf_config)
@@ -286,20 +325,35 @@ class MegatronRunner:
             loss, record = on_outputs(mb, dev, self._head(mb, dev, output))
             return loss, torch.ones((), dtype=torch.int, device=loss.device), record
 
+        on_device: dict[int, tuple[Batch, int]] = {}  # id(micro-batch) -> (it on the device, chunks that took it)
+
         def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
             mb = next(data_iterator)
-            dev = device_check.to_device(mb.device_batch(), self._device)  # the seam, inbound: once, whole
+            dev, taken = on_device.pop(id(mb), (None, 0))
+            if dev is None:
+                dev = device_check.to_device(mb.device_batch(), self._device)  # the seam, inbound: once, whole
+            if taken + 1 < len(self.model):  # this rank's later model chunks run the same micro-batch
+                on_device[id(mb)] = (dev, taken + 1)
             output = model(  # (1, t, ...) on the last stage
                 input_ids=dev["packed_ids"], position_ids=dev["packed_positions"], attention_mask=None,
                 packed_seq_params=attention.packed_seq_params(dev["cu_seqlens"], mb.pack.max_seqlen),
             )
             return output, functools.partial(loss_func, mb, dev)
 
+        if len(self.model) > 1:  # the interleaved schedule runs each chunk over groups of PP micro-batches
+            pp = mpu.get_pipeline_model_parallel_world_size()
+            if len(mbs) < pp:
+                raise ValueError(
+                    f"virtual pipeline stages need at least pipeline_model_parallel_size={pp} micro-batches per pass, "
+                    f"and this rank has {sum(len(mb.rows) for mb in mbs)} samples; give each rank more samples "
+                    "(ppo_mini_batch_size) or drop virtual_pipeline_model_parallel_size")
+            for module in self.modules:  # a count that is not a multiple of PP (too few rows to spread) is one group
+                module.config.microbatch_group_size_per_vp_stage = pp if len(mbs) % pp == 0 else len(mbs)
         ctx = torch.no_grad() if forward_only else torch.enable_grad()
         with ctx:
             return get_forward_backward_func()(
                 forward_step_func=forward_step,
-                data_iterator=iter(mbs),
+                data_iterator=[iter(mbs) for _ in self.model] if len(self.model) > 1 else iter(mbs),
                 model=self.model,
                 num_microbatches=len(mbs),
                 seq_length=max(mb.tokens for mb in mbs),
@@ -326,8 +380,14 @@ class MegatronRunner:
     @property
     def _pack_multiple(self) -> int:
         """Sequence parallelism splits each pack over the TP ranks: its length must divide evenly."""
-        config = self.module.config
+        config = self.modules[0].config
         return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+    @property
+    def _interleaved_pp(self) -> int:
+        """The PP size under virtual pipeline stages (`split_micro_batches` shapes micro-batches for the interleaved
+        schedule), else 1."""
+        return mpu.get_pipeline_model_parallel_world_size() if len(self.model) > 1 else 1
 
     @property
     def _device(self) -> torch.device:
@@ -374,7 +434,8 @@ class MegatronRunner:
         complete on the last pipeline stage (other stages return an empty dict)."""
         validate_batch(batch)
         records = self._forward_backward(
-            split_micro_batches(batch, self.cfg, forward_only=True, multiple=self._pack_multiple),
+            split_micro_batches(batch, self.cfg, forward_only=True, multiple=self._pack_multiple,
+                                interleaved_pp=self._interleaved_pp),
             lambda mb, dev, head: (head[keys[0]].new_zeros(()),
                                    {"rows": mb.rows, **device_check.to_host({k: head[k] for k in keys})}),  # the seam, outbound
             forward_only=True,
@@ -406,8 +467,9 @@ class MegatronRunner:
                 for chunk in self.model:
                     chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
-                records = self._forward_backward(split_micro_batches(mini, self.cfg, multiple=self._pack_multiple), on_outputs,
-                                                 forward_only=False)
+                mbs = split_micro_batches(mini, self.cfg, multiple=self._pack_multiple,
+                                          interleaved_pp=self._interleaved_pp)
+                records = self._forward_backward(mbs, on_outputs, forward_only=False)
                 self._check_finite_grads(i)
                 lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
                 _, grad_norm, _ = self.optimizer.step()
@@ -518,24 +580,24 @@ class MegatronRunner:
         """Write this rank's model shard, optimizer, scheduler, RNG states and step (`checkpoint.py`); rank 0 adds
         the model's config and tokenizer (`checkpoint.HF_DIR`), which an HF export of the checkpoint needs."""
         with self.params_on_device():
-            checkpoint.save_rank(path, self.module, self.optimizer, self.scheduler, self.step)
+            checkpoint.save_rank(path, self.modules, self.optimizer, self.scheduler, self.step)
         if torch.distributed.get_rank() == 0:
             checkpoint.save_hf_files(Path(path) / checkpoint.HF_DIR, self.hf_config, self.hf_dir)
 
     def load_checkpoint(self, path: str) -> int:
         """Restore what `save_checkpoint` wrote for this rank; returns the step."""
         with self.params_on_device():
-            self.step = checkpoint.load_rank(path, self.module, self.optimizer, self.scheduler)
+            self.step = checkpoint.load_rank(path, self.modules, self.optimizer, self.scheduler)
         return self.step
 
     def hf_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         """The full HF-named state dict on global rank 0 (None elsewhere; collective)."""
-        return mmodel.export_hf_state_dict(self.module, self.hf_config, dst_rank=0)
+        return mmodel.export_hf_state_dict(self.modules, self.hf_config, dst_rank=0)
 
     def export_hf(self, path: str, dtype: str | None = None) -> None:
         """Write an HF checkpoint directory in `dtype` ("bfloat16" / "float32"; None: the parameters' dtype),
         gathered to global rank 0 (collective)."""
-        checkpoint.export_hf(path, self.module, self.hf_config, self.hf_dir,
+        checkpoint.export_hf(path, self.modules, self.hf_config, self.hf_dir,
                              getattr(torch, dtype) if dtype else self.params_dtype)
 
 

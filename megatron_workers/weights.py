@@ -393,8 +393,8 @@ class WeightSender:
             dist.destroy_process_group(pg)
         self._groups.clear()
 
-    def send(self, module: torch.nn.Module, hf_config: Any, plan: dict[str, Any]) -> dict[str, Any] | None:
-        """Export this stage's tensors and ship them by `plan["mode"]`:
+    def send(self, chunks: list[torch.nn.Module], hf_config: Any, plan: dict[str, Any]) -> dict[str, Any] | None:
+        """Export this stage's tensors (of all its model chunks) and ship them by `plan["mode"]`:
 
         - "tensor": `plan["serializers"][global rank]` lists the (engine index, engine TP rank) copies that
           rank serializes; `plan["engines"]` are the engine actor handles.
@@ -425,11 +425,11 @@ class WeightSender:
         else:
             mine, senders = [], [0]
         dtype = getattr(torch, plan["dtype"])
-        shapes = stage_hf_tensor_shapes(hf_config, stage, mpu.get_pipeline_model_parallel_world_size())
+        shapes = stage_hf_tensor_shapes(hf_config, stage, mpu.get_pipeline_model_parallel_world_size(), len(chunks))
         metas = [(n, torch.empty(s, dtype=dtype, device="meta")) for n, s in shapes.items()]
         buckets = list(bucket_by_bytes(metas, plan["bucket_bytes"]))
         meter = MemoryMeter()
-        if len(senders) == 1 and self._fills_in_place(module, tp_group):  # all write their shards into its buckets
+        if len(senders) == 1 and self._fills_in_place(chunks, tp_group):  # all write their shards into its buckets
             receives = is_owner = tp_rank == senders[0]
             if is_owner:
                 sizes = [sum(tensor_bytes(t) for _, t in planned) for planned in buckets]
@@ -438,12 +438,12 @@ class WeightSender:
             dist.broadcast_object_list(handle, src=dist.get_process_group_ranks(tp_group)[senders[0]], group=tp_group)
             if not is_owner:  # the owner's buffers, mapped for this sync only: a mapping held by a process that is
                 buffers = pickle.loads(handle[0])  # killed later is a reference torch's shm manager never drops
-            place = functools.partial(place_stage_shards, module, hf_config, replicated=is_owner)
+            place = functools.partial(place_stage_shards, chunks, hf_config, replicated=is_owner)
             filled = fill_buckets_in_place(place, buckets, buffers, tp_group, meter)
         else:  # gather each tensor to the sender (or to every TP rank when several serialize), then pack it
             dst = senders[0] if len(senders) == 1 else None
             receives = dst is None or tp_rank == dst
-            tensors = iter_stage_hf_tensors(module, hf_config, dst_tp_rank=dst, dtype=dtype)
+            tensors = iter_stage_hf_tensors(chunks, hf_config, dst_tp_rank=dst, dtype=dtype)
             filled = stream_buckets(tensors, buckets if receives else [], meter, self._buffers)
         if not receives or mode == "stats":
             def ship(b: Bucket) -> None:  # stats, or a rank that only helps fill (or gather to) the senders' buckets
@@ -472,11 +472,11 @@ class WeightSender:
             self._buffers.release_device()
         return out if receives and out["bytes"] else None
 
-    def _fills_in_place(self, module: torch.nn.Module, tp_group: Any) -> bool:
+    def _fills_in_place(self, chunks: list[torch.nn.Module], tp_group: Any) -> bool:
         """Whether this stage's TP ranks fill each bucket together, in shared host memory, instead of gathering
         every tensor to the sender: the parameters are in host memory and every TP rank runs on this host (asked
         once; the answer is the same on every rank of the group)."""
-        if next(module.parameters()).device.type != "cpu":
+        if next(chunks[0].parameters()).device.type != "cpu":
             return False
         if self._same_host is None:
             hosts: list[Any] = [None] * dist.get_world_size(tp_group)

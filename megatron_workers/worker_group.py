@@ -60,9 +60,10 @@ class ParallelLayout:
     tp: int = 1  # tensor-parallel size (splits heads, MLP width, vocabulary)
     pp: int = 1  # pipeline-parallel size (splits layers into stages)
     dp: int = 1  # data-parallel size (replicas, each gets a slice of the batch)
+    vpp: int = 1  # virtual pipeline stages: model chunks per pipeline rank (Megatron's interleaved schedule)
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "vpp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelLayout.{name} must be a positive int, got {value!r}")
@@ -98,7 +99,7 @@ class RankWorker:
         """This node's address and a free port, for rank 0 to host the rendezvous."""
         return ray.util.get_node_ip_address(), free_port("")
 
-    def init_distributed(self, master_addr: str, master_port: int, tp: int, pp: int, seed: int,
+    def init_distributed(self, master_addr: str, master_port: int, tp: int, pp: int, vpp: int, seed: int,
                          timeout_s: float = 1800.0) -> RankInfo:
         """Initialise torch.distributed (collectives time out after `timeout_s`) and Megatron's parallel state;
         report coordinates."""
@@ -107,7 +108,7 @@ class RankWorker:
         from megatron_workers import parallel
 
         parallel.init_distributed(
-            self.rank, self.world_size, master_addr, master_port, tp, pp, backend=self.backend, seed=seed,
+            self.rank, self.world_size, master_addr, master_port, tp, pp, backend=self.backend, vpp=vpp, seed=seed,
             timeout_minutes=timeout_s / 60,
         )
         return RankInfo(
@@ -214,7 +215,7 @@ class MegatronWorkerGroup:
         if hf_config is not None:
             from megatron_workers.parallel import validate_layout
 
-            validate_layout(hf_config, layout.tp, layout.pp)
+            validate_layout(hf_config, layout.tp, layout.pp, layout.vpp)
         if rank_options is None:
             rank_options = [dict(self.UNPLACED_RANK_OPTIONS) for _ in range(layout.world_size)]
         if len(rank_options) != layout.world_size:
@@ -242,7 +243,7 @@ class MegatronWorkerGroup:
                 f"with {rank_options[r]}; place the ranks with recipe.placement, or free resources")
         addr, port = ray.get(ready[0])
         self.ranks = self._get(
-            [w.init_distributed.remote(addr, port, layout.tp, layout.pp, seed, collective_timeout_s)
+            [w.init_distributed.remote(addr, port, layout.tp, layout.pp, layout.vpp, seed, collective_timeout_s)
              for w in self._workers], "init_distributed")
         logger.info("started %d Megatron ranks (%s) at %s:%d", layout.world_size, layout, addr, port)
 

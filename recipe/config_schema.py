@@ -184,9 +184,11 @@ class RefMegatronConfig:
     """Ranks that split each of the reference's layers (Megatron TP); None: the actor's."""
     pipeline_model_parallel_size: int | None = None
     """Ranks that split the reference's layers into stages (Megatron PP); None: the actor's."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per reference pipeline rank (Megatron's virtual pipeline stages); None: the actor's."""
 
     def __post_init__(self) -> None:
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"actor_rollout_ref.ref.megatron.{key} is {getattr(self, key)}; it must be >= 1 "
                                   "(or null: the actor's)")

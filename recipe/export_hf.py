@@ -47,6 +47,7 @@ class ActorShards:
     tp: int
     pp: int
     dp: int
+    vpp: int  # model chunks per pipeline rank
     files: dict[tuple[int, int], Path]
 
 
@@ -84,7 +85,7 @@ def actor_shards(ckpt: Path) -> ActorShards:
     if missing:
         raise FileNotFoundError(f"{directory} has no DP-rank-0 shard for (tp rank, pp rank) {missing} of its "
                                 f"tp={meta['tp']} x pp={meta['pp']} layout; the checkpoint is incomplete")
-    return ActorShards(directory, meta["tp"], meta["pp"], meta["dp"], files)
+    return ActorShards(directory, meta["tp"], meta["pp"], meta["dp"], meta.get("vpp", 1), files)
 
 
 def hf_source(ckpt: Path, given: str | Path | None) -> Path:
@@ -97,7 +98,8 @@ def hf_source(ckpt: Path, given: str | Path | None) -> Path:
 
 
 def _rank(rank: int, world_size: int, port: int, shards: ActorShards, source: str, out: str, dtype: str) -> None:
-    """One Megatron rank: build the model stage, load DP rank 0's weights for this (tp, pp), export (rank 0 writes)."""
+    """One Megatron rank: build the model stage (its chunks), load DP rank 0's weights for this (tp, pp), export (rank 0
+    writes)."""
     backend = cpu_compat.apply_cpu_compat()  # this spawned process's start, before megatron is imported
     from megatron.core import parallel_state as mpu
     from transformers import AutoConfig
@@ -107,14 +109,15 @@ def _rank(rank: int, world_size: int, port: int, shards: ActorShards, source: st
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     hf_config = AutoConfig.from_pretrained(source)
     parallel.init_distributed(rank, world_size, "127.0.0.1", port, shards.tp, shards.pp, backend=backend,
-                              timeout_minutes=30)
+                              vpp=shards.vpp, timeout_minutes=30)
     try:
-        module = mmodel.build_gpt_model(hf_config)
+        chunks = [mmodel.build_gpt_model(hf_config, vp_stage=v if shards.vpp > 1 else None) for v in range(shards.vpp)]
         coords = (mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank())
-        state = torch.load(shards.files[coords], map_location="cpu", mmap=True, weights_only=False)["model"]
-        module.load_state_dict(state, strict=True)
+        state = torch.load(shards.files[coords], map_location="cpu", mmap=True, weights_only=False)
+        for key, chunk in zip(mckpt.model_keys(len(chunks)), chunks):
+            chunk.load_state_dict(state[key], strict=True)
         del state
-        mckpt.export_hf(out, module, hf_config, source, getattr(torch, dtype))
+        mckpt.export_hf(out, chunks, hf_config, source, getattr(torch, dtype))
     finally:
         parallel.destroy()
 

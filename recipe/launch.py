@@ -103,15 +103,10 @@ VERL_KEYS: dict[str, Rule] = {
         rename="trainer.seed"),
     "actor_rollout_ref.actor.megatron.context_parallel_size": Rule(
         f"{_NO_CP}; drop the key (or set 1) and use tensor_model_parallel_size", accept=(1,)),
-    "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size": Rule(
-        "the interleaved pipeline schedule is not used here (same result, more pipeline bubble)", accept=(None, 1),
-        warn=True),
     **{f"actor_rollout_ref.ref.megatron.{k}": Rule(
         f"{why}: it must equal actor_rollout_ref.actor.megatron.{k}; set that instead",
         same_as=f"actor_rollout_ref.actor.megatron.{k}") for k, why in _REF_AS_ACTOR.items()},
     "actor_rollout_ref.ref.megatron.context_parallel_size": Rule(f"{_NO_CP}; drop the key (or set 1)", accept=(1,)),
-    "actor_rollout_ref.ref.megatron.virtual_pipeline_model_parallel_size": Rule(
-        "the interleaved pipeline schedule is not used here (same result)", accept=(None, 1), warn=True),
     "actor_rollout_ref.ref.megatron.seed": Rule("the reference is seeded by trainer.seed", warn=True),
     "actor_rollout_ref.actor.fsdp_config": Rule(
         "an FSDP knob (polyturn trains with Megatron: actor_rollout_ref.actor.megatron.*)", warn=True),

@@ -107,7 +107,7 @@ def build_workers(cfg: PPOConfig, model_path: str, plan: PlacementPlan) -> Worke
     def group(role: str, cls: type, **kwargs) -> MegatronWorkerGroup:
         """The role's ranks in its own layout (its TP x PP, DP filling the trainer's ranks), on the same bundles."""
         rm = roles[role].megatron
-        layout = ParallelLayout(tp=rm.tensor_model_parallel_size, pp=rm.pipeline_model_parallel_size,
+        layout = ParallelLayout(tp=rm.tensor_model_parallel_size, pp=rm.pipeline_model_parallel_size, vpp=rm.vpp,
                                 dp=cfg.role_dp_size(roles[role]))
         g = MegatronWorkerGroup(layout, placement.rank_options(role), hf_config=hf_config, seed=cfg.trainer.seed,
                                 name=role, collective_timeout_s=cfg.trainer.collective_timeout_s)

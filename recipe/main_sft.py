@@ -70,7 +70,8 @@ def _start_actor(cfg: SFTConfig, path: str, placement: Any) -> Any:
     from megatron_workers.worker_group import MegatronWorkerGroup, ParallelLayout
 
     m, d = cfg.megatron, cfg.data
-    layout = ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size, dp=cfg.dp_size)
+    layout = ParallelLayout(tp=m.tensor_model_parallel_size, pp=m.pipeline_model_parallel_size, vpp=m.vpp,
+                            dp=cfg.dp_size)
     group = MegatronWorkerGroup(layout, placement.rank_options("actor"), hf_config=AutoConfig.from_pretrained(path),
                                 seed=cfg.seed)
     try:

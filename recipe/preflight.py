@@ -26,7 +26,8 @@ def check_model_dir(path: str, key: str = "actor_rollout_ref.model.path") -> Non
 
 
 def check_layout(cfg: PPOConfig, hf_config: Any) -> None:
-    """Refuse tensor / pipeline sizes the model cannot be split by, naming the config key and the model field."""
+    """Refuse tensor / pipeline / virtual pipeline sizes the model cannot be split by, naming the config key and the
+    model field."""
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     layers = hf_config.num_hidden_layers
@@ -40,9 +41,14 @@ def check_layout(cfg: PPOConfig, hf_config: Any) -> None:
                 raise ConfigError(f"{key}={tp} does not divide the model's {field}={count} (config.json); use a "
                                   f"divisor of {count}")
     for p, m in sizes:
-        if m.pipeline_model_parallel_size > layers:
-            raise ConfigError(f"{p}.pipeline_model_parallel_size={m.pipeline_model_parallel_size} exceeds the model's "
-                              f"num_hidden_layers={layers} (config.json); use at most {layers}")
+        pp, vpp = m.pipeline_model_parallel_size, m.vpp
+        if layers % pp:
+            raise ConfigError(f"{p}.pipeline_model_parallel_size={pp} does not divide the model's "
+                              f"num_hidden_layers={layers} (config.json); use a divisor of {layers}")
+        if (layers // pp) % vpp:
+            raise ConfigError(f"{p}.virtual_pipeline_model_parallel_size={vpp} does not divide the {layers // pp} "
+                              f"layers of each pipeline stage (num_hidden_layers={layers}, config.json); use a divisor "
+                              f"of {layers // pp}")
 
 
 def check_data(cfg: PPOConfig, rows: int, data_sources: set[str]) -> None:

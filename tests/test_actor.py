@@ -121,6 +121,30 @@ def test_dynamic_micro_batches_respect_token_budget_and_cover_every_row():
     assert len(mbs) > 1
 
 
+@pytest.mark.unit
+def test_virtual_pipeline_micro_batch_counts_are_multiples_of_pp_within_both_limits():
+    """Contract: with interleaved_pp (PP under virtual pipeline stages) the micro-batch count becomes a multiple of it
+    when the rows allow, every row still once, within the token budget and the fixed size, and every pack has the
+    longest's length; with too few rows the count stays (the runner then runs them as one group)."""
+    from megatron_workers.config import ActorConfig
+    from megatron_workers.runner import split_micro_batches
+
+    batch = make_batch(vocab=50, seed=2, B=16)
+    for cfg in (ActorConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=60, optim=None),
+                ActorConfig(use_dynamic_bsz=False, ppo_micro_batch_size_per_gpu=3, optim=None)):
+        plain = split_micro_batches(batch, cfg)
+        for multiple in (2, 4):
+            mbs = split_micro_batches(batch, cfg, interleaved_pp=multiple)
+            assert len(mbs) % multiple == 0 and len(mbs) >= len(plain)
+            assert len({mb.tokens for mb in mbs}) == 1
+            assert mbs[0].tokens == max(int(mb.tensors["attention_mask"].sum()) for mb in mbs)
+            assert torch.cat([mb.rows for mb in mbs]).sort().values.tolist() == list(range(16))
+            for mb in mbs:
+                assert 0 < len(mb.rows) <= (16 if cfg.use_dynamic_bsz else 3)
+                assert mb.tokens <= 60 or len(mb.rows) == 1 or not cfg.use_dynamic_bsz
+    assert len(split_micro_batches({k: v[:3] for k, v in batch.items()}, cfg, interleaved_pp=4)) == 1
+
+
 # ---------------------------------------------------------------------------------------------
 # Integration: Ray worker groups of real Megatron ranks
 # ---------------------------------------------------------------------------------------------
@@ -134,15 +158,15 @@ def ray_cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def groups(ray_cluster):
-    """Worker groups by (tp, pp, dp), started once per module; tests rebuild the role on them."""
+    """Worker groups by (tp, pp, dp, vpp), started once per module; tests rebuild the role on them."""
     from megatron_workers.worker_group import MegatronWorkerGroup, ParallelLayout
 
-    started: dict[tuple[int, int, int], MegatronWorkerGroup] = {}
+    started: dict[tuple[int, int, int, int], MegatronWorkerGroup] = {}
 
-    def get(tp: int, pp: int, dp: int = 1) -> MegatronWorkerGroup:
-        if (tp, pp, dp) not in started:
-            started[(tp, pp, dp)] = MegatronWorkerGroup(ParallelLayout(tp=tp, pp=pp, dp=dp), seed=1)
-        return started[(tp, pp, dp)]
+    def get(tp: int, pp: int, dp: int = 1, vpp: int = 1) -> MegatronWorkerGroup:
+        if (tp, pp, dp, vpp) not in started:
+            started[(tp, pp, dp, vpp)] = MegatronWorkerGroup(ParallelLayout(tp=tp, pp=pp, dp=dp, vpp=vpp), seed=1)
+        return started[(tp, pp, dp, vpp)]
 
     yield get
     for g in started.values():
@@ -356,10 +380,10 @@ def with_grad_probe(role_cls: type) -> type:
 
     class Probe(role_cls):
         def grads(self) -> dict[str, torch.Tensor]:
-            return {n: p.main_grad.detach().clone() for n, p in self.module.named_parameters()}
+            return {n: p.main_grad.detach().clone() for n, p in self.modules[0].named_parameters()}
 
         def memory_features(self) -> tuple:
-            c = self.module.config
+            c = self.modules[0].config
             return c.sequence_parallel, c.recompute_granularity, c.recompute_method, c.recompute_num_layers
 
     return Probe
@@ -419,3 +443,67 @@ def test_reference_in_its_own_layout_gives_the_actors_log_probs(groups, tiny_mod
         log_probs[name] = concat_results(group.dispatch("compute_log_prob", batch))["log_probs"]
     assert ref_cfg.megatron.tensor_model_parallel_size == 1 and log_probs["actor"].abs().sum() > 0
     torch.testing.assert_close(log_probs["ref"], log_probs["actor"], rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def four_layer_model_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen2 checkpoint with 4 layers and tied embeddings: PP=2 x 2 virtual stages gives one layer a chunk."""
+    from recipe.tiny_model import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("four_layers"), layers=4, tie_word_embeddings=True, seed=1)
+
+
+@pytest.mark.integration
+def test_virtual_pipeline_stages_change_the_schedule_not_the_math(groups, four_layer_model_dir, tmp_path):
+    """Contract: virtual pipeline stages (PP=2, 2 model chunks per rank: rank 0 holds layers 1 and 3, rank 1 layers 2
+    and 4 and the tied output copy; Megatron's interleaved schedule) give transformers' log-probs within 1e-4 (fixed
+    micro-batches and token budgets, their counts spread to multiples of PP) and the critic's values of PP=1; the
+    stage exports the weight sync ships hold exactly PP=1's tensors; two PPO steps give PP=1's weights, loss and
+    gradient norm within 1e-5; and a checkpoint resumes bit-identically."""
+    import functools
+
+    from megatron_workers.critic import MegatronCritic
+    from megatron_workers.worker_group import concat_results
+
+    model_dir = four_layer_model_dir
+    batch = make_batch(_vocab(model_dir), seed=3)
+    ref_lp, _ = hf_log_probs(model_dir, batch)
+    plain, virtual = groups(1, 1), groups(1, 2, 1, 2)
+    for kwargs in ({"ppo_micro_batch_size_per_gpu": 3}, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 40}):
+        build_actor(virtual, model_dir, optim=None, **kwargs)
+        out = concat_results(virtual.dispatch("compute_log_prob", batch))
+        torch.testing.assert_close(out["log_probs"], ref_lp, rtol=0, atol=1e-4)
+
+    values = {}
+    for name, group in (("plain", plain), ("virtual", virtual)):
+        build_actor(group, model_dir, role_cls=MegatronCritic, ppo_micro_batch_size_per_gpu=3)
+        values[name] = concat_results(group.dispatch("compute_values", batch))["values"]
+    assert values["plain"].abs().sum() > 0
+    torch.testing.assert_close(values["virtual"], values["plain"], rtol=0, atol=1e-5)
+
+    plan = {"mode": "stats", "bucket_bytes": 1 << 16, "dtype": "float32", "key": "vpp", "checksums": True}
+    train = ppo_batch(model_dir)
+    results = {}
+    for name, group in (("plain", plain), ("virtual", virtual)):
+        build_actor(group, model_dir, ppo_micro_batch_size_per_gpu=3)
+        sent = [out["stats"] for out in group.call_all("send_weights", plan) if out is not None]
+        stats = {k: v for per_stage in sent for k, v in per_stage.items()}
+        assert sum(len(per_stage) for per_stage in sent) == len(stats), "a tensor was exported by two stages"
+        results[name] = stats, update(group, train, mini_batch_size=4), hf_weights(group)
+    (plain_stats, plain_metrics, plain_weights), (stats, metrics, weights) = results["plain"], results["virtual"]
+    assert stats == plain_stats
+    assert plain_metrics["actor/grad_norm"] > 0
+    assert metrics["actor/pg_loss"] == pytest.approx(plain_metrics["actor/pg_loss"], abs=1e-5)
+    assert metrics["actor/grad_norm"] == pytest.approx(plain_metrics["actor/grad_norm"], rel=1e-4)
+    assert weights.keys() == plain_weights.keys()
+    for k in weights:
+        assert (weights[k] - plain_weights[k]).abs().max() < 1e-5, f"{k} differs from PP=1's"
+
+    virtual.call_all("save_checkpoint", str(tmp_path / "ckpt"))
+    cont_metrics, cont = update(virtual, ppo_batch(model_dir, seed=5), mini_batch_size=4), hf_weights(virtual)
+    build_actor(virtual, model_dir, ppo_micro_batch_size_per_gpu=3)
+    assert virtual.call_all("load_checkpoint", str(tmp_path / "ckpt")) == [2, 2]
+    assert update(virtual, ppo_batch(model_dir, seed=5), mini_batch_size=4) == cont_metrics
+    resumed = hf_weights(virtual)
+    for k in cont:
+        assert torch.equal(resumed[k], cont[k]), f"{k} differs after resume"

@@ -50,8 +50,8 @@ def test_bf16_params_keep_fp32_main_params_adam_moments_and_grads(world_of_one, 
     batch["old_log_probs"] = actor.compute_log_prob(batch)["log_probs"]
     assert batch["old_log_probs"].dtype == torch.float32
     actor.update_policy(batch, masked_pg_loss)
-    assert {p.dtype for p in actor.module.parameters()} == {torch.bfloat16}
-    assert {p.main_grad.dtype for p in actor.module.parameters()} == {torch.float32}
+    assert {p.dtype for p in actor.modules[0].parameters()} == {torch.bfloat16}
+    assert {p.main_grad.dtype for p in actor.modules[0].parameters()} == {torch.float32}
     inner = actor.optimizer.optimizer
     main = [p for g in inner.param_groups for p in g["params"]]
     assert main and {p.dtype for p in main} == {torch.float32}
@@ -99,7 +99,7 @@ def test_bf16_resume_is_bitwise(world_of_one, trained_init_model, tmp_path):
     assert b.load_checkpoint(str(tmp_path / "ckpt")) == 2
     ma, mb = a.update_policy(batch, masked_pg_loss), b.update_policy(batch, masked_pg_loss)
     assert ma == mb
-    for (name, pa), pb in zip(a.module.named_parameters(), b.module.parameters()):
+    for (name, pa), pb in zip(a.modules[0].named_parameters(), b.modules[0].parameters()):
         assert pa.dtype == torch.bfloat16 and torch.equal(pa, pb), name
     main_a = [p for g in a.optimizer.optimizer.param_groups for p in g["params"]]
     main_b = [p for g in b.optimizer.optimizer.param_groups for p in g["params"]]
@@ -141,7 +141,7 @@ def test_weight_export_sends_bf16_params_as_they_are(world_of_one, trained_init_
     counts = {}
     for dtype in (torch.bfloat16, torch.float32):
         with _CopyCounter() as c:
-            named = list(iter_stage_hf_tensors(actor.module, actor.hf_config, dtype=dtype))
+            named = list(iter_stage_hf_tensors(actor.modules, actor.hf_config, dtype=dtype))
         counts[dtype] = c.casts
         assert {t.dtype for _, t in named} == {dtype}
     assert counts[torch.bfloat16] == 0 and counts[torch.float32] >= len(named) // 2
@@ -160,7 +160,7 @@ def test_the_sender_fills_the_same_buckets_in_place_and_by_gather(world_of_one, 
         for in_place in (True, False):
             sender = WeightSender()
             sender._same_host = in_place  # False: as when a TP peer runs on another host (or on a GPU)
-            out = sender.send(actor.module, actor.hf_config, plan)
+            out = sender.send(actor.modules, actor.hf_config, plan)
             sent[in_place] = (out["stats"], out["bytes"], out["buckets"])
         assert sent[True][1] > 0 and sent[True][2] > 2
         assert sent[True] == sent[False]

@@ -256,7 +256,7 @@ def test_every_rule_splits_over_tp_and_its_shards_rebuild_the_hf_tensors_exactly
     shapes = base.hf_tensor_shapes(s)
     gen = torch.Generator().manual_seed(0)
     hf = {n: torch.randn(shape, generator=gen) for n, shape in shapes.items()}
-    rules = [r for _, r in base.export_plan(s, pp=1)]
+    rules = [r for _, r in base.export_plan(s, stages=1)]
     assert {n for r in rules for n in r.hf_names} == set(shapes)
     for rule in rules:
         tensors = [hf[n] for n in rule.hf_names]

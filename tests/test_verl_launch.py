@@ -155,7 +155,8 @@ def test_verl_3b_line_is_honoured_with_one_warning(home, tiny_model_dir):
 @pytest.mark.unit
 def test_verl_megatron_line_is_refused_all_at_once(home, tiny_model_dir):
     """Contract: verl's Megatron variant asks for context parallelism (actor and reference): refused before Ray in
-    ONE line naming both keys and the fix; the interleaved schedule (vpp) is warned about; megatron.seed becomes
+    ONE line naming both keys and the fix; virtual pipeline stages (vpp) are taken (the reference inherits the
+    actor's); megatron.seed becomes
     trainer.seed; the reference's TP / PP sizes are its own layout (also unlike the actor's), while its other
     Megatron keys (dtype, offload) must equal the actor's."""
     args = line(VERL_3B, home, str(tiny_model_dir)) + shlex.split(VERL_MEGATRON)
@@ -168,11 +169,11 @@ def test_verl_megatron_line_is_refused_all_at_once(home, tiny_model_dir):
     fine = [a for a in args if "context_parallel_size" not in a]
     cfg, _, plan = launch.load(fine)
     m = cfg.actor_rollout_ref.actor.megatron
-    assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, cfg.trainer.seed) == (2, 2, 42)
-    assert any(w.startswith("actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2") for w in plan.warned)
+    assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.vpp, cfg.trainer.seed) == (2, 2, 2, 42)
+    assert not any("virtual_pipeline" in w for w in plan.warned)
     own = launch.load([a for a in fine if "actor.megatron.tensor_model_parallel_size" not in a])[0]
     ref = own.workers()["ref"]
-    assert (ref.megatron.tensor_model_parallel_size, ref.megatron.pipeline_model_parallel_size) == (2, 2)
+    assert (ref.megatron.tensor_model_parallel_size, ref.megatron.pipeline_model_parallel_size, ref.megatron.vpp) == (2, 2, 2)
     assert own.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 1 and own.role_dp_size(ref) == 2
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref.ref.megatron.dtype=float32: the KL term .*must equal"):
         launch.load([*fine, "actor_rollout_ref.ref.megatron.dtype=float32"])

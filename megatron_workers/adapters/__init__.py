@@ -8,11 +8,12 @@ collectives. Anything an adapter cannot express (rope scaling, sliding windows, 
 GPT layer has no place for) is refused by `read_decoder_shape` with the field's name.
 
 A model built with another pipeline split than `model.build_gpt_model`'s is refused when loading
-or exporting.
+or exporting. Under virtual pipeline stages a rank holds several model chunks; the exporting functions
+take the rank's list of chunks (or one GPTModel).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +31,9 @@ from megatron_workers.adapters.base import (
     shards_to_hf,
 )
 from megatron_workers.adapters.base import hf_tensor_shapes as _shape_tensor_shapes
+
+Model = torch.nn.Module | Sequence[torch.nn.Module]
+"""A GPTModel (maybe wrapped), or a rank's list of model chunks under virtual pipeline stages."""
 
 ADAPTERS = {a.ARCHITECTURE: a for a in (qwen2, llama, qwen3)}
 """HF architecture name -> its adapter module."""
@@ -70,11 +74,12 @@ def hf_tensor_shapes(hf_config: Any | Mapping[str, Any]) -> dict[str, tuple[int,
     return _shape_tensor_shapes(read_decoder_shape(hf_config))
 
 
-def stage_hf_tensor_shapes(hf_config: Any, stage: int, pp: int) -> dict[str, tuple[int, ...]]:
-    """The HF tensors pipeline stage `stage` of `pp` exports (`iter_stage_hf_tensors`), in order, with shapes."""
+def stage_hf_tensor_shapes(hf_config: Any, stage: int, pp: int, vpp: int = 1) -> dict[str, tuple[int, ...]]:
+    """The HF tensors pipeline stage `stage` of `pp` (with `vpp` model chunks each) exports (`iter_stage_hf_tensors`),
+    in order, with shapes."""
     shape = read_decoder_shape(hf_config)
     shapes = _shape_tensor_shapes(shape)
-    return {n: shapes[n] for s, rule in export_plan(shape, pp) if s == stage for n in rule.hf_names}
+    return {n: shapes[n] for v, rule in export_plan(shape, pp * vpp) if v % pp == stage for n in rule.hf_names}
 
 
 def _position() -> tuple[int, int, int, int]:
@@ -87,20 +92,33 @@ def _position() -> tuple[int, int, int, int]:
     )
 
 
-def _unwrapped_params(
-    model: torch.nn.Module, shape: DecoderShape, stage: int, pp: int
-) -> dict[str, torch.nn.Parameter]:
-    """The GPTModel's parameters by local name, after checking its layers are this stage's."""
-    gpt = unwrap_model(model)
-    per_stage = shape.num_layers // pp
-    got = [layer.layer_number for layer in gpt.decoder.layers]
-    want = list(range(stage * per_stage + 1, (stage + 1) * per_stage + 1))
-    if got != want:
-        raise ValueError(
-            f"pipeline stage {stage}/{pp} holds layers {got} (1-based), expected {want}: "
-            "build the model with build_gpt_model (even pipeline split, no virtual stages)"
-        )
-    return dict(gpt.named_parameters())
+def _chunk_params(model: Model, shape: DecoderShape
+                  ) -> tuple[dict[int, dict[str, torch.nn.Parameter]], int, bool]:
+    """This rank's model chunks' parameters by local name, keyed by virtual stage; the number of virtual stages; and
+    whether the chunks were built from Megatron's TransformerEngine spec (`is_te_layout`).
+
+    `model`: a GPTModel (maybe wrapped), or this rank's list of chunks under virtual pipeline stages, where chunk c
+    of pipeline rank r is virtual stage c * PP + r (Megatron's interleaved layout). Checks each chunk holds its
+    stage's layers.
+    """
+    _, _, pp, stage = _position()
+    stages = pp * (parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1)
+    per_stage = shape.num_layers // stages
+    out = {}
+    for chunk in model if isinstance(model, Sequence) else [model]:
+        gpt = unwrap_model(chunk)
+        chunk_index = gpt.vp_stage or 0
+        v = chunk_index * pp + stage
+        got = [layer.layer_number for layer in gpt.decoder.layers]
+        want = list(range(v * per_stage + 1, (v + 1) * per_stage + 1))
+        if got != want:
+            raise ValueError(
+                f"pipeline stage {v}/{stages} (model chunk {chunk_index} of pipeline rank {stage}) holds layers {got} "
+                f"(1-based), expected {want}: "
+                "build the model with build_gpt_model (even pipeline split)"
+            )
+        out[v] = dict(gpt.named_parameters())
+    return out, stages, any(is_te_layout(params) for params in out.values())
 
 
 def is_te_layout(params: Mapping[str, torch.nn.Parameter]) -> bool:
@@ -127,15 +145,16 @@ def check_hf_state_dict(
 
 
 def load_hf_weights(model: torch.nn.Module, hf_state_dict: Mapping[str, torch.Tensor], hf_config: Any) -> None:
-    """Copy this rank's TP/PP shards of an HF state dict into `model` (a GPTModel, maybe wrapped).
+    """Copy this rank's TP/PP shards of an HF state dict into `model` (a GPTModel, maybe wrapped; one model chunk).
 
     Raises ValueError naming every missing HF tensor or wrong shape (expected vs got) this rank
     needs, before copying anything. Values are cast to the parameters' dtype.
     """
     shape = read_decoder_shape(hf_config)
-    tp, tp_rank, pp, stage = _position()
-    params = _unwrapped_params(model, shape, stage, pp)
-    rules = local_rules(shape, stage, pp, is_te_layout(params))
+    tp, tp_rank, _, _ = _position()
+    chunks, stages, te = _chunk_params(model, shape)
+    (v, params), = chunks.items()
+    rules = local_rules(shape, v, stages, te)
     check_hf_state_dict(hf_state_dict, hf_config, names=[n for r in rules for n in r.hf_names])
     unmapped = set(params) - {r.megatron_name for r in rules}
     unbuilt = {r.megatron_name for r in rules} - set(params)
@@ -156,7 +175,7 @@ def load_hf_weights(model: torch.nn.Module, hf_state_dict: Mapping[str, torch.Te
             param.copy_(shard)
 
 
-def iter_hf_tensors(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_tensors(model: Model, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for every HF tensor, in HF order, on every rank.
 
     Collective: all TP x PP ranks of the model-parallel group must iterate in lockstep. The owning
@@ -166,14 +185,14 @@ def iter_hf_tensors(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[st
     shape = read_decoder_shape(hf_config)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
-    tp, _, pp, stage = _position()
-    params = _unwrapped_params(model, shape, stage, pp)
+    tp, _, pp, _ = _position()
+    chunks, stages, te = _chunk_params(model, shape)
     hf_shapes = _shape_tensor_shapes(shape)
     pp_ranks = torch.distributed.get_process_group_ranks(pp_group) if pp > 1 else []
-    some_param = next(iter(params.values()))
-    for owner, rule in export_plan(shape, pp, is_te_layout(params)):
-        if owner == stage:
-            local = params[rule.megatron_name].detach()
+    some_param = next(iter(next(iter(chunks.values())).values()))  # dtype and device of the received tensors
+    for owner, rule in export_plan(shape, stages, te):
+        if owner in chunks:
+            local = chunks[owner][rule.megatron_name].detach()
             if rule.split == "replicated" or tp == 1:
                 shards = [local]
             else:
@@ -186,12 +205,12 @@ def iter_hf_tensors(model: torch.nn.Module, hf_config: Any) -> Iterator[tuple[st
         for name, tensor in zip(rule.hf_names, tensors, strict=True):
             tensor = tensor.contiguous()
             if pp > 1:
-                torch.distributed.broadcast(tensor, src=pp_ranks[owner], group=pp_group)
+                torch.distributed.broadcast(tensor, src=pp_ranks[owner % pp], group=pp_group)
             yield name, tensor
 
 
 def iter_stage_hf_tensors(
-    model: torch.nn.Module, hf_config: Any, *, dst_tp_rank: int | None = 0, dtype: torch.dtype | None = None
+    model: Model, hf_config: Any, *, dst_tp_rank: int | None = 0, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the HF tensors this pipeline stage owns, in HF order.
 
@@ -202,14 +221,15 @@ def iter_stage_hf_tensors(
     """
     shape = read_decoder_shape(hf_config)
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    tp, tp_rank, pp, stage = _position()
-    params = _unwrapped_params(model, shape, stage, pp)
+    tp, tp_rank, _, _ = _position()
+    chunks, stages, te = _chunk_params(model, shape)
     receives = dst_tp_rank is None or tp_rank == dst_tp_rank
     dst = None if dst_tp_rank is None else torch.distributed.get_process_group_ranks(tp_group)[dst_tp_rank]
-    for owner, rule in export_plan(shape, pp, is_te_layout(params)):
-        if owner != stage:
+    for owner, rule in export_plan(shape, stages, te):
+        if owner not in chunks:
             continue
-        local = params[rule.megatron_name].detach().to(dtype or params[rule.megatron_name].dtype).contiguous()
+        param = chunks[owner][rule.megatron_name]
+        local = param.detach().to(dtype or param.dtype).contiguous()
         if rule.split == "replicated" or tp == 1:
             shards = [local]
         elif dst is None:
@@ -223,28 +243,28 @@ def iter_stage_hf_tensors(
                 yield name, tensor.contiguous()
 
 
-def place_stage_shards(model: torch.nn.Module, hf_config: Any, views: Mapping[str, torch.Tensor], *,
+def place_stage_shards(model: Model, hf_config: Any, views: Mapping[str, torch.Tensor], *,
                        replicated: bool) -> None:
     """Copy this TP rank's shard of each of this stage's parameters into the HF tensors of `views` it covers (HF
     name -> the full tensor's place, e.g. in a bucket every TP rank of the stage maps), cast to their dtype;
     tensors not in `views` are skipped. Replicated tensors are written only with `replicated` (by one rank). Not
     collective: the ranks together fill every view."""
     shape = read_decoder_shape(hf_config)
-    tp, tp_rank, pp, stage = _position()
-    params = _unwrapped_params(model, shape, stage, pp)
+    tp, tp_rank, _, _ = _position()
+    chunks, stages, te = _chunk_params(model, shape)
     hf_shapes = _shape_tensor_shapes(shape)
-    for owner, rule in export_plan(shape, pp, is_te_layout(params)):
-        if owner != stage or not any(n in views for n in rule.hf_names) or (rule.split == "replicated"
-                                                                             and not replicated):
+    for owner, rule in export_plan(shape, stages, te):
+        if owner not in chunks or not any(n in views for n in rule.hf_names) or (rule.split == "replicated"
+                                                                                 and not replicated):
             continue
         hf = [views[n] if n in views else torch.empty(hf_shapes[n], device="meta") for n in rule.hf_names]
-        for i, view, part in shard_pieces(rule, params[rule.megatron_name].detach(), hf, shape, tp, tp_rank):
+        for i, view, part in shard_pieces(rule, chunks[owner][rule.megatron_name].detach(), hf, shape, tp, tp_rank):
             if rule.hf_names[i] in views:
                 view.copy_(part)
 
 
 def export_hf_state_dict(
-    model: torch.nn.Module, hf_config: Any, *, dst_rank: int = 0
+    model: Model, hf_config: Any, *, dst_rank: int = 0
 ) -> dict[str, torch.Tensor] | None:
     """The full HF state dict (TP/PP shards gathered) on global rank `dst_rank`, None elsewhere.
 

@@ -18,7 +18,8 @@ How HF tensors map onto Megatron's local-spec GPT layer (`get_gpt_layer_local_sp
   `self_attention.linear_qkv.layer_norm_weight` and `pre_mlp_layernorm.weight` becomes
   `mlp.linear_fc1.layer_norm_weight` (`te=True` in the plans below); every other name is the same.
 
-Pipeline stages hold equal numbers of layers (`parallel.validate_layout` enforces divisibility).
+Pipeline stages (virtual ones included) hold equal numbers of layers (`parallel.validate_layout` enforces
+divisibility).
 """
 from __future__ import annotations
 
@@ -193,24 +194,25 @@ def _layer_rules(local: int, layer: int, s: DecoderShape, te: bool) -> list[Rule
     ]
 
 
-def export_plan(s: DecoderShape, pp: int, te: bool = False) -> list[tuple[int, Rule]]:
-    """(owning pipeline stage, rule) for every exported parameter, in HF order; `te`: the TransformerEngine
-    spec's names (norms fused into the next linear layer), else the local spec's."""
-    per_stage = s.num_layers // pp
+def export_plan(s: DecoderShape, stages: int, te: bool = False) -> list[tuple[int, Rule]]:
+    """(owning stage, rule) for every exported parameter, in HF order, the layers split evenly over `stages`
+    pipeline stages (virtual ones included: PP x model chunks per rank); `te`: the TransformerEngine spec's names
+    (norms fused into the next linear layer), else the local spec's."""
+    per_stage = s.num_layers // stages
     plan = [(0, Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "dim0"))]
     for layer in range(s.num_layers):
         stage = layer // per_stage
         plan += [(stage, r) for r in _layer_rules(layer - stage * per_stage, layer, s, te)]
-    plan.append((pp - 1, Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated")))
+    plan.append((stages - 1, Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated")))
     if not s.tie_word_embeddings:
-        plan.append((pp - 1, Rule("output_layer.weight", ("lm_head.weight",), "dim0")))
+        plan.append((stages - 1, Rule("output_layer.weight", ("lm_head.weight",), "dim0")))
     return plan
 
 
-def local_rules(s: DecoderShape, stage: int, pp: int, te: bool = False) -> list[Rule]:
-    """The rules for the parameters the given pipeline stage holds (tied output copy included)."""
-    rules = [r for owner, r in export_plan(s, pp, te) if owner == stage]
-    if s.tie_word_embeddings and pp > 1 and stage == pp - 1:
+def local_rules(s: DecoderShape, stage: int, stages: int, te: bool = False) -> list[Rule]:
+    """The rules for the parameters the given stage of `stages` holds (tied output copy included)."""
+    rules = [r for owner, r in export_plan(s, stages, te) if owner == stage]
+    if s.tie_word_embeddings and stages > 1 and stage == stages - 1:
         rules.append(Rule("output_layer.weight", ("model.embed_tokens.weight",), "dim0"))
     return rules
 

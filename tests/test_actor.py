@@ -459,11 +459,12 @@ def test_virtual_pipeline_stages_change_the_schedule_not_the_math(groups, four_l
     and 4 and the tied output copy; Megatron's interleaved schedule) give transformers' log-probs within 1e-4 (fixed
     micro-batches and token budgets, their counts spread to multiples of PP) and the critic's values of PP=1; the
     stage exports the weight sync ships hold exactly PP=1's tensors; two PPO steps give PP=1's weights, loss and
-    gradient norm within 1e-5; and a checkpoint resumes bit-identically."""
-    import functools
+    gradient norm within 1e-5; a checkpoint resumes bit-identically, and `recipe.export_hf` exports it bit-equal."""
+    from safetensors.torch import load_file
 
     from megatron_workers.critic import MegatronCritic
     from megatron_workers.worker_group import concat_results
+    from recipe import checkpoint, export_hf
 
     model_dir = four_layer_model_dir
     batch = make_batch(_vocab(model_dir), seed=3)
@@ -499,11 +500,23 @@ def test_virtual_pipeline_stages_change_the_schedule_not_the_math(groups, four_l
     for k in weights:
         assert (weights[k] - plain_weights[k]).abs().max() < 1e-5, f"{k} differs from PP=1's"
 
-    virtual.call_all("save_checkpoint", str(tmp_path / "ckpt"))
+    state = checkpoint.TrainerState(step=1, weight_version=1, kl_coef=0.0, batches_consumed=1, epoch=0)
+
+    def write(directory: Path) -> None:  # what Trainer.save_checkpoint writes
+        virtual.call_all("save_checkpoint", str(directory / "actor"))
+        state.write(directory)
+
+    checkpoint.save(tmp_path / "run", 1, write)
     cont_metrics, cont = update(virtual, ppo_batch(model_dir, seed=5), mini_batch_size=4), hf_weights(virtual)
     build_actor(virtual, model_dir, ppo_micro_batch_size_per_gpu=3)
-    assert virtual.call_all("load_checkpoint", str(tmp_path / "ckpt")) == [2, 2]
+    assert virtual.call_all("load_checkpoint", str(tmp_path / "run" / "global_step_1" / "actor")) == [2, 2]
     assert update(virtual, ppo_batch(model_dir, seed=5), mini_batch_size=4) == cont_metrics
     resumed = hf_weights(virtual)
     for k in cont:
         assert torch.equal(resumed[k], cont[k]), f"{k} differs after resume"
+
+    summary = export_hf.export(tmp_path / "run", tmp_path / "hf", dtype="float32")  # the CLI's ranks, chunk by chunk
+    assert (summary["pp"], summary["tensors"]) == (2, len(weights))
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    for k in weights:
+        assert torch.equal(exported[k], weights[k]), f"{k} differs in the HF export of the checkpoint"

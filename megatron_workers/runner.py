@@ -34,6 +34,10 @@ Where it departs from the textbook training loop:
   pipeline stages exchange variable shapes (`variable_seq_lengths`). The forward-only passes have
   their own sizes (`log_prob_micro_batch_size_per_gpu`, `log_prob_use_dynamic_bsz`,
   `log_prob_max_token_len_per_gpu`).
+- Virtual pipeline stages (`megatron.virtual_pipeline_model_parallel_size`, set in the process's parallel state
+  by `parallel.init_distributed`): `self.model` holds one DDP-wrapped chunk per stage and Megatron's interleaved
+  schedule runs them; a micro-batch still goes to the device once, its later chunks reuse it. The schedule wants
+  micro-batch counts in groups of PP and one shape per pass (`split_micro_batches(interleaved_pp=...)`).
 - Gradient reduction over DP overlaps the backward pass (`overlap_grad_reduce`, bucketed, with the schedule's
   `no_sync` for all but the last micro-batch).
 - A non-finite gradient anywhere refuses the optimizer step with an error naming the

@@ -336,6 +336,88 @@ def test_critic_values_match_transformers_and_update_is_layout_independent(group
     torch.testing.assert_close(after[(2, 2)], after[(1, 1)], rtol=0, atol=1e-5)
 
 
+def padded_torch_step(model_dir: Path, batch: dict[str, torch.Tensor], loss_fn, lr: float, eps: float,
+                      critic: bool = False) -> dict:
+    """One update in plain PyTorch on the padded batch: transformers' model (`critic`: its backbone and the critic's
+    seeded value head) gives `(B, T)` log-probs (or values), `loss_fn` the loss, torch's Adam the step. Returns the
+    loss, the outputs before and after the step, and the weights before and after it (HF names)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_workers.critic import MegatronCritic, ValueHead
+    from megatron_workers.model import hf_to_transformer_config
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    head = ValueHead(model.config.hidden_size, hf_to_transformer_config(model.config).init_method_std,
+                     MegatronCritic.head_seed, sequence_parallel=False)
+    T, mask = batch["responses"].shape[1], batch["response_mask"].float()
+
+    def outputs() -> torch.Tensor:  # (B, T), 0 off the response mask
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        if critic:
+            hidden = model.model(**inputs).last_hidden_state  # (B, S, H), after the final norm
+            return head(hidden)[0].squeeze(-1)[:, -T - 1: -1] * mask
+        logits = model(**inputs).logits[:, -T - 1: -1].float()  # (B, T, V)
+        return torch.log_softmax(logits, -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1) * mask
+
+    weights_before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.Adam([*model.parameters(), *head.parameters()], lr=lr, eps=eps)
+    before = outputs()
+    loss, _ = loss_fn({**batch, "values" if critic else "log_probs": before, "global_token_count": int(mask.sum()),
+                       "global_seq_count": len(mask)})
+    loss.backward()
+    opt.step()
+    with torch.no_grad():
+        after = outputs()
+    return {"loss": loss.item(), "before": before.detach(), "after": after, "weights_before": weights_before,
+            "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+@pytest.mark.integration
+def test_packed_equals_padded_for_actor_critic_and_sft(groups, tiny_model_dir):
+    """Contract: at (TP, PP) = (2, 2), with three micro-batches, the packed Megatron passes equal plain PyTorch on the
+    padded batch (transformers, eager attention under the mask) within 1e-5 (fp32): the actor's log-probs, PPO loss
+    and new weights; SFT's loss and new weights; the critic's values, value loss and new values. Adam's first step
+    with eps = lr = 100 is lr * g / (|g| + eps), close to a plain SGD step, so new weights within 1e-5 mean gradients
+    within about 1e-5 (grad clipping off)."""
+    import functools
+
+    from megatron_workers.actor import sft_loss
+    from megatron_workers.config import OptimConfig
+    from megatron_workers.critic import MegatronCritic
+    from megatron_workers.worker_group import concat_results
+    from recipe.algos import ValueLossConfig, value_loss
+
+    optim = OptimConfig(lr=100.0, adam_eps=100.0, clip_grad=0.0)
+    group = groups(2, 2)
+    batch = ppo_batch(tiny_model_dir, seed=13)
+    for method, loss_fn, metric, kwargs in (("update_policy", masked_pg_loss, "actor/pg_loss", {"loss_fn": masked_pg_loss}),
+                                            ("update_sft", sft_loss, "sft/sft_loss", {})):
+        ref = padded_torch_step(tiny_model_dir, batch, loss_fn, optim.lr, optim.adam_eps)
+        build_actor(group, tiny_model_dir, optim=optim, ppo_micro_batch_size_per_gpu=3)
+        log_probs = concat_results(group.dispatch("compute_log_prob", batch))["log_probs"]
+        torch.testing.assert_close(log_probs, ref["before"], rtol=0, atol=1e-5)
+        metrics = group.dispatch(method, batch, mini_batches=1, **kwargs)[0]
+        assert metrics[metric] == pytest.approx(ref["loss"], abs=1e-5)
+        moved = max((ref["weights"][k] - v).abs().max().item() for k, v in ref["weights_before"].items())
+        assert moved > 1e-3, f"{method}: the reference step did not move the weights"
+        for k, v in hf_weights(group).items():
+            torch.testing.assert_close(v, ref["weights"][k], rtol=0, atol=1e-5, msg=f"{method}: {k}")
+
+    g = torch.Generator().manual_seed(13)
+    old = hf_values(tiny_model_dir, batch)
+    train = dict(batch, old_values=old, returns=old + torch.randn(old.shape, generator=g) * batch["response_mask"])
+    loss_fn = functools.partial(value_loss, cfg=ValueLossConfig(cliprange_value=0.2))
+    ref = padded_torch_step(tiny_model_dir, train, loss_fn, optim.lr, optim.adam_eps, critic=True)
+    build_actor(group, tiny_model_dir, role_cls=MegatronCritic, optim=optim, ppo_micro_batch_size_per_gpu=3)
+    torch.testing.assert_close(concat_results(group.dispatch("compute_values", batch))["values"], ref["before"],
+                               rtol=0, atol=1e-5)
+    metrics = group.dispatch("update_critic", train, mini_batches=1, loss_fn=loss_fn)[0]
+    assert metrics["critic/vf_loss"] == pytest.approx(ref["loss"], abs=1e-5)
+    assert (ref["after"] - ref["before"]).abs().max() > 1e-3, "the reference step did not move the values"
+    torch.testing.assert_close(concat_results(group.dispatch("compute_values", batch))["values"], ref["after"],
+                               rtol=0, atol=1e-5)
+
+
 def torch_sft_step(model_dir: Path, batch: dict[str, torch.Tensor], lr: float, eps: float, clip: float) -> dict:
     """The same SFT step in plain PyTorch: transformers model, masked token-mean CE, AdamW."""
     from transformers import AutoModelForCausalLM

@@ -1,8 +1,8 @@
 """Save / resume a Megatron worker group, and export to an HF checkpoint directory.
 
 Resume checkpoints are per rank: `DIR/rank_{r:05d}.pt` holds global rank `r`'s model shard
-(GPTModel state dict; one per model chunk under virtual pipeline stages), optimizer state (Megatron's optimizer `state_dict`), LR scheduler,
-RNG states (python, numpy, torch CPU, CUDA when present, Megatron's RNG tracker) and the
+(GPTModel state dict; one per model chunk under virtual pipeline stages), optimizer state (Megatron's
+optimizer `state_dict`), LR scheduler, RNG states (python, numpy, torch CPU, CUDA when present, Megatron's RNG tracker) and the
 step; `DIR/meta.json` (written by rank 0) records the layout and the step. Every rank
 writes its own file, so a save costs one write per rank.
 

@@ -2,8 +2,8 @@
 
 Resume checkpoints are per rank: `DIR/rank_{r:05d}.pt` holds global rank `r`'s model shard
 (GPTModel state dict; one per model chunk under virtual pipeline stages), optimizer state (Megatron's
-optimizer `state_dict`), LR scheduler, RNG states (python, numpy, torch CPU, CUDA when present, Megatron's RNG tracker) and the
-step; `DIR/meta.json` (written by rank 0) records the layout and the step. Every rank
+optimizer `state_dict`), LR scheduler, RNG states (python, numpy, torch CPU, CUDA when present,
+Megatron's RNG tracker) and the step; `DIR/meta.json` (written by rank 0) records the layout and the step. Every rank
 writes its own file, so a save costs one write per rank.
 
 With the distributed optimizer, `state_dict` holds only the hyper-parameters and the step:

@@ -5,6 +5,11 @@ optimizer) with the LM head's outputs: per-token log-probs and entropy of the re
 vocab-parallel (`logprobs.py`: the full vocabulary never sits on one rank), in fp32. The
 reference policy is the same class with `optim=None`: no optimizer, no gradient buffers.
 
+The LM head's matmul is fused into the log-prob computation: the last stage's output layer hands back
+its input (`HeadInput`), and `logprobs.linear_logprobs_entropy` projects only the response positions,
+a chunk of tokens at a time, so no `(tokens, V/tp)` logits are ever kept for backward (what backward
+keeps is O(tokens): the head's input rows and three fp32 numbers per token).
+
 `update_policy(batch, loss_fn)` calls `loss_fn(mb) -> (loss, metrics)` once per micro-batch with
 `mb["log_probs"] (b, T)` (with grad), `mb["entropy"]`, the batch's own tensors for those rows and
 the ints `global_token_count` / `global_seq_count`; the summing contract is `runner.py`'s.
@@ -17,9 +22,10 @@ from typing import Any, Optional
 
 import torch
 from megatron.core import parallel_state as mpu
+from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
 
 from megatron_workers.config import ActorConfig
-from megatron_workers.logprobs import vocab_parallel_logprobs_entropy
+from megatron_workers.logprobs import linear_logprobs_entropy
 from megatron_workers.runner import Batch, LossFn, MegatronRunner, MicroBatch, validate_batch
 
 
@@ -28,6 +34,27 @@ def sft_loss(mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
     nll = -(mb["log_probs"] * mb["response_mask"]).sum() / mb["global_token_count"]
     return nll, {"sft_loss": nll.detach()}
 
+
+class HeadInput(torch.nn.Module):
+    """Takes the place of the LM head's `ColumnParallelLinear` on the last stage and returns its input,
+    `hidden (s or s/tp, b, h) -> (s, b, h)`, with the column-parallel layer's communication: gathered over
+    the sequence under sequence parallelism (backward: reduce-scatter), else an identity whose backward
+    sums the TP ranks' shares. The vocabulary projection is left to `linear_logprobs_entropy`.
+
+    It holds the layer's weight Parameter under the same name (`output_layer.weight`; None when the
+    embedding's is used), so checkpoints, the weight sync and Megatron's tied-embedding gradient sum
+    see the same parameter.
+    """
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.weight = layer.weight
+        self.sequence_parallel, self.tp_group = layer.sequence_parallel, layer.tp_group
+
+    def forward(self, hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None):
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True, group=self.tp_group), None
+        return copy_to_tensor_model_parallel_region(hidden, group=self.tp_group), None
 
 
 class MegatronActor(MegatronRunner):
@@ -41,10 +68,19 @@ class MegatronActor(MegatronRunner):
         self.temperature = temperature
         super().__init__(hf_dir, cfg)
 
+    def _build_model(self, hf_state: dict[str, torch.Tensor], vp_stage: int | None) -> torch.nn.Module:
+        module = super()._build_model(hf_state, vp_stage)
+        if module.post_process:
+            module.output_layer = HeadInput(module.output_layer)
+        return module
+
     def _head(self, mb: MicroBatch, dev: Batch, output: torch.Tensor) -> dict[str, torch.Tensor]:
-        logits, targets, real = self._response_outputs(dev, output)  # (n, V/tp), (n,), (b, T)
-        log_probs, entropy = vocab_parallel_logprobs_entropy(
-            logits, targets, mpu.get_tensor_model_parallel_group(), temperature=self.temperature
+        hidden, targets, real = self._response_outputs(dev, output)  # (n, h), (n,), (b, T)
+        last = self.modules[-1]  # the chunk with the LM head
+        weight = (last.shared_embedding_or_output_weight() if last.share_embeddings_and_output_weights
+                  else last.output_layer.weight)  # (V/tp, h)
+        log_probs, entropy = linear_logprobs_entropy(
+            hidden, weight, targets, mpu.get_tensor_model_parallel_group(), temperature=self.temperature
         )  # (n,) each
         return {"log_probs": self.on_response_axis(log_probs, real), "entropy": self.on_response_axis(entropy, real)}
 

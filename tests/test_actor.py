@@ -372,16 +372,44 @@ def padded_torch_step(model_dir: Path, batch: dict[str, torch.Tensor], loss_fn, 
             "weights": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
+def with_saved_tensor_probe(role_cls: type) -> type:
+    """`role_cls` whose `update_policy` records, for each tensor autograd keeps for backward, whether it is
+    vocabulary-sized (last dimension V/tp) and not a parameter."""
+
+    class Probe(role_cls):
+        def update_policy(self, *args, **kwargs):
+            from megatron.core import parallel_state as mpu
+
+            params = {p.data_ptr() for m in self.modules for p in m.parameters()}
+            part = self.hf_config.vocab_size // mpu.get_tensor_model_parallel_world_size()
+            self.saved = []  # (shape, vocabulary-sized and not a parameter)
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                self.saved.append((tuple(t.shape), t.dim() > 0 and t.shape[-1] == part and t.data_ptr() not in params))
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                return super().update_policy(*args, **kwargs)
+
+        def saved_for_backward(self) -> list[tuple[tuple[int, ...], bool]]:
+            return self.saved
+
+    return Probe
+
+
 @pytest.mark.integration
 def test_packed_equals_padded_for_actor_critic_and_sft(groups, tiny_model_dir):
     """Contract: at (TP, PP) = (2, 2), with three micro-batches, the packed Megatron passes equal plain PyTorch on the
     padded batch (transformers, eager attention under the mask) within 1e-5 (fp32): the actor's log-probs, PPO loss
     and new weights; SFT's loss and new weights; the critic's values, value loss and new values. Adam's first step
     with eps = lr = 100 is lr * g / (|g| + eps), close to a plain SGD step, so new weights within 1e-5 mean gradients
-    within about 1e-5 (grad clipping off)."""
+    within about 1e-5 (grad clipping off). The LM head is fused into the log-probs (`actor.HeadInput` +
+    `logprobs.linear_logprobs_entropy`), so the PPO update keeps no `(tokens, V/tp)` logits for backward on any
+    rank, only parameters and O(tokens x hidden) activations (the textbook head, ColumnParallelLinear then
+    log-softmax, would keep them)."""
     import functools
 
-    from megatron_workers.actor import sft_loss
+    from megatron_workers.actor import MegatronActor, sft_loss
     from megatron_workers.config import OptimConfig
     from megatron_workers.critic import MegatronCritic
     from megatron_workers.worker_group import concat_results
@@ -393,11 +421,17 @@ def test_packed_equals_padded_for_actor_critic_and_sft(groups, tiny_model_dir):
     for method, loss_fn, metric, kwargs in (("update_policy", masked_pg_loss, "actor/pg_loss", {"loss_fn": masked_pg_loss}),
                                             ("update_sft", sft_loss, "sft/sft_loss", {})):
         ref = padded_torch_step(tiny_model_dir, batch, loss_fn, optim.lr, optim.adam_eps)
-        build_actor(group, tiny_model_dir, optim=optim, ppo_micro_batch_size_per_gpu=3)
+        build_actor(group, tiny_model_dir, role_cls=with_saved_tensor_probe(MegatronActor), optim=optim,
+                    ppo_micro_batch_size_per_gpu=3)
         log_probs = concat_results(group.dispatch("compute_log_prob", batch))["log_probs"]
         torch.testing.assert_close(log_probs, ref["before"], rtol=0, atol=1e-5)
         metrics = group.dispatch(method, batch, mini_batches=1, **kwargs)[0]
         assert metrics[metric] == pytest.approx(ref["loss"], abs=1e-5)
+        if method == "update_policy":
+            for rank, saved in enumerate(group.call_all("saved_for_backward")):
+                assert len(saved) > 50, f"rank {rank}: the probe saw only {len(saved)} saved tensors"
+                vocab_sized = [shape for shape, big in saved if big]
+                assert not vocab_sized, f"rank {rank} keeps vocabulary-sized tensors for backward: {vocab_sized}"
         moved = max((ref["weights"][k] - v).abs().max().item() for k, v in ref["weights_before"].items())
         assert moved > 1e-3, f"{method}: the reference step did not move the weights"
         for k, v in hf_weights(group).items():

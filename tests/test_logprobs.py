@@ -1,16 +1,13 @@
-"""Chunked vocab-parallel log-prob / entropy (`megatron_workers.logprobs`): values and gradients equal plain
-full-vocabulary autograd (log_softmax + gather, -(p log p).sum()) in fp32 within 1e-6 (gradients: 1e-6 plus
-1e-6 relative) at TP=1 and over 2 gloo ranks, for any chunk size, from logits and fused with the LM head's matmul; bf16 logits get an fp32
-log-softmax; and what is kept for backward is O(tokens), not O(tokens x vocabulary), in fp32."""
+"""Chunked vocab-parallel log-prob / entropy fused with the LM head's matmul (`megatron_workers.logprobs`):
+values and gradients equal plain full-vocabulary autograd (log_softmax + gather, -(p log p).sum()) in fp32
+within 1e-6 (gradients: 1e-6 plus 1e-6 relative) at TP=1 and over 2 gloo ranks, for any chunk size; a bf16
+head gets an fp32 log-softmax; and what is kept for backward is O(tokens), not O(tokens x vocabulary)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_workers.logprobs import (
-    linear_logprobs_entropy,
-    vocab_parallel_logprobs_entropy,
-)
+from megatron_workers.logprobs import linear_logprobs_entropy
 from megatron_workers.ports import free_port
 
 B, T, H, V = 3, 7, 16, 40  # 21 tokens: chunk sizes 1, 5 and 1024 leave ragged or single chunks
@@ -23,7 +20,6 @@ def _inputs(seed: int = 0) -> dict[str, torch.Tensor]:
     return {
         "hidden": torch.randn(B, T, H, generator=g) * 0.5,  # (B, T, H)
         "weight": torch.randn(V, H, generator=g) * 0.5,  # (V, H)
-        "logits": torch.randn(B, T, V, generator=g) * 2,  # (B, T, V)
         "target": torch.randint(0, V, (B, T), generator=g),  # (B, T)
         "w_lp": torch.randn(B, T, generator=g),  # upstream gradients
         "w_ent": torch.randn(B, T, generator=g),
@@ -44,19 +40,9 @@ def _loss(lp, ent, x):
 @pytest.mark.parametrize("chunk_tokens", [1, 5, 1024])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_chunked_equals_full_vocab_autograd(chunk_tokens, temperature):
-    """Contract: from logits and fused with the head matmul, any chunking gives the full-vocabulary values and
-    gradients (logits; hidden and head weight) within 1e-6 in fp32."""
+    """Contract: any chunking gives the full-vocabulary values and gradients (hidden and head weight) within
+    1e-6 in fp32."""
     x = _inputs()
-    logits = x["logits"].clone().requires_grad_(True)
-    lp, ent = vocab_parallel_logprobs_entropy(logits, x["target"], temperature=temperature, chunk_tokens=chunk_tokens)
-    (grad,) = torch.autograd.grad(_loss(lp, ent, x), logits)
-    ref_logits = x["logits"].clone().requires_grad_(True)
-    ref_lp, ref_ent = _reference(ref_logits, x["target"], temperature)
-    (ref_grad,) = torch.autograd.grad(_loss(ref_lp, ref_ent, x), ref_logits)
-    torch.testing.assert_close(lp, ref_lp, **TOL)
-    torch.testing.assert_close(ent, ref_ent, **TOL)
-    torch.testing.assert_close(grad, ref_grad, **GRAD_TOL)
-
     hidden, weight = x["hidden"].clone().requires_grad_(True), x["weight"].clone().requires_grad_(True)
     lp, ent = linear_logprobs_entropy(hidden, weight, x["target"], temperature=temperature, chunk_tokens=chunk_tokens)
     grads = torch.autograd.grad(_loss(lp, ent, x), (hidden, weight))
@@ -70,18 +56,19 @@ def test_chunked_equals_full_vocab_autograd(chunk_tokens, temperature):
 
 
 @pytest.mark.unit
-def test_bf16_logits_get_an_fp32_log_softmax():
-    """Contract: bf16 logits give fp32 log-probs and entropy equal to the fp32 math on the same (upcast) values,
-    and a bf16 gradient."""
+def test_bf16_head_gets_an_fp32_log_softmax():
+    """Contract: a bf16 head gives fp32 log-probs and entropy equal to the fp32 math on its (upcast) bf16 logits,
+    and bf16 gradients."""
     x = _inputs(1)
-    logits = x["logits"].bfloat16().requires_grad_(True)
-    lp, ent = vocab_parallel_logprobs_entropy(logits, x["target"], chunk_tokens=4)
+    hidden, weight = x["hidden"].bfloat16().requires_grad_(True), x["weight"].bfloat16().requires_grad_(True)
+    lp, ent = linear_logprobs_entropy(hidden, weight, x["target"], chunk_tokens=4)
     assert lp.dtype == ent.dtype == torch.float32
-    ref_lp, ref_ent = _reference(x["logits"].bfloat16().float(), x["target"], 1.0)
+    ref_lp, ref_ent = _reference((hidden @ weight.t()).float(), x["target"], 1.0)
     torch.testing.assert_close(lp, ref_lp, **TOL)
     torch.testing.assert_close(ent, ref_ent, **TOL)
     _loss(lp, ent, x).backward()
-    assert logits.grad.dtype == torch.bfloat16 and torch.isfinite(logits.grad.float()).all()
+    for t in (hidden, weight):
+        assert t.grad.dtype == torch.bfloat16 and torch.isfinite(t.grad.float()).all()
 
 
 def _saved_for_backward(fn) -> list[torch.Tensor]:
@@ -98,8 +85,8 @@ def _saved_for_backward(fn) -> list[torch.Tensor]:
 
 @pytest.mark.unit
 def test_memory_kept_for_backward_is_per_token():
-    """Contract: the fused path keeps only the head's own inputs (hidden, weight) and O(tokens) fp32 numbers;
-    the logits path keeps its input logits, in their dtype, and nothing vocabulary-sized in fp32."""
+    """Contract: only the head's own inputs (hidden, weight) and O(tokens) fp32 numbers are kept for backward,
+    where the textbook autograd keeps (tokens, V) tensors."""
     x = _inputs(2)
     n_tok = B * T
     hidden, weight = x["hidden"].requires_grad_(True), x["weight"].requires_grad_(True)
@@ -108,11 +95,8 @@ def test_memory_kept_for_backward_is_per_token():
     assert all(t.data_ptr() in (hidden.data_ptr(), weight.data_ptr()) for t in big), [t.shape for t in big]
     assert sum(t.numel() for t in saved if t.numel() <= n_tok) <= 5 * n_tok  # 3 fp32 stats, target, mask
 
-    logits = x["logits"].bfloat16().requires_grad_(True)
-    saved = _saved_for_backward(lambda: vocab_parallel_logprobs_entropy(logits, x["target"], chunk_tokens=4))
-    vocab_sized = [t for t in saved if t.numel() > n_tok]
-    assert len(vocab_sized) == 1 and vocab_sized[0].dtype == torch.bfloat16
-    assert vocab_sized[0].data_ptr() == logits.data_ptr()
+    saved = _saved_for_backward(lambda: _reference(hidden @ weight.t(), x["target"], 1.0))
+    assert any(t.numel() >= n_tok * V for t in saved)
 
 
 def _tp2_worker(rank: int, port: int, q) -> None:
@@ -121,22 +105,19 @@ def _tp2_worker(rank: int, port: int, q) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     x = _inputs(3)
     part = slice(rank * V // 2, (rank + 1) * V // 2)
-    shard = x["logits"][..., part].clone().requires_grad_(True)
-    lp, ent = vocab_parallel_logprobs_entropy(shard, x["target"], dist.group.WORLD, temperature=0.7, chunk_tokens=5)
-    _loss(lp, ent, x).backward()
     hidden, weight = x["hidden"].clone().requires_grad_(True), x["weight"][part].clone().requires_grad_(True)
-    lp2, ent2 = linear_logprobs_entropy(hidden, weight, x["target"], dist.group.WORLD, temperature=0.7, chunk_tokens=5)
-    _loss(lp2, ent2, x).backward()
+    lp, ent = linear_logprobs_entropy(hidden, weight, x["target"], dist.group.WORLD, temperature=0.7, chunk_tokens=5)
+    _loss(lp, ent, x).backward()
     # numpy, not tensors: torch would share tensor storage that dies with this process
-    q.put((rank, [t.detach().numpy() for t in (lp, ent, shard.grad, lp2, ent2, hidden.grad, weight.grad)]))
+    q.put((rank, [t.detach().numpy() for t in (lp, ent, hidden.grad, weight.grad)]))
     dist.destroy_process_group()
 
 
 @pytest.mark.integration
 def test_tp2_equals_full_vocab_autograd():
-    """Contract: with the vocabulary split over 2 gloo ranks, both paths give every rank the full-vocabulary
-    values, each rank its slice of the logits / head-weight gradient, and the ranks' hidden gradients sum to
-    the full one (what Megatron's column-parallel layer all-reduces), within 1e-6 in fp32."""
+    """Contract: with the vocabulary split over 2 gloo ranks, every rank gets the full-vocabulary values, each
+    rank its slice of the head-weight gradient, and the ranks' hidden gradients sum to the full one (what
+    Megatron's column-parallel layer all-reduces), within 1e-6 in fp32."""
     import torch.multiprocessing as mp
 
     port = free_port()
@@ -149,19 +130,15 @@ def test_tp2_equals_full_vocab_autograd():
     for p in procs:
         p.join(timeout=60)
     x = _inputs(3)
-    logits = x["logits"].clone().requires_grad_(True)
-    ref_lp, ref_ent = _reference(logits, x["target"], 0.7)
-    _loss(ref_lp, ref_ent, x).backward()
     hidden, weight = x["hidden"].clone().requires_grad_(True), x["weight"].clone().requires_grad_(True)
-    ref_lp2, ref_ent2 = _reference(hidden @ weight.t(), x["target"], 0.7)
-    _loss(ref_lp2, ref_ent2, x).backward()
+    ref_lp, ref_ent = _reference(hidden @ weight.t(), x["target"], 0.7)
+    _loss(ref_lp, ref_ent, x).backward()
     hidden_grad = torch.zeros_like(hidden)
     for rank, got in results.items():
-        lp, ent, grad, lp2, ent2, h_grad, w_grad = map(torch.from_numpy, got)
+        lp, ent, h_grad, w_grad = map(torch.from_numpy, got)
         part = slice(rank * V // 2, (rank + 1) * V // 2)
-        for a, b in ((lp, ref_lp), (ent, ref_ent), (lp2, ref_lp2), (ent2, ref_ent2)):
+        for a, b in ((lp, ref_lp), (ent, ref_ent)):
             torch.testing.assert_close(a, b.detach(), **TOL)
-        torch.testing.assert_close(grad, logits.grad[..., part], **GRAD_TOL)
         torch.testing.assert_close(w_grad, weight.grad[part], **GRAD_TOL)
         hidden_grad += h_grad
     torch.testing.assert_close(hidden_grad, hidden.grad, **GRAD_TOL)

@@ -529,6 +529,12 @@ class PPOConfig:
             if (mini * rollout.n) % dp:
                 raise ConfigError(f"{prefix}.ppo_mini_batch_size * rollout.n = {mini * rollout.n} samples cannot be "
                                   f"split over {dp} data-parallel ranks; make it a multiple of the DP size")
+            pp, per_rank = worker.megatron.pipeline_model_parallel_size, mini * rollout.n // dp
+            if worker.megatron.vpp > 1 and per_rank < pp:
+                raise ConfigError(f"{prefix}.megatron.virtual_pipeline_model_parallel_size={worker.megatron.vpp} needs at "
+                                  f"least pipeline_model_parallel_size={pp} samples per rank in each mini-batch, and "
+                                  f"{prefix}.ppo_mini_batch_size * rollout.n / {dp} DP ranks = {per_rank}; raise "
+                                  f"{prefix}.ppo_mini_batch_size or drop virtual_pipeline_model_parallel_size")
 
     def workers(self) -> dict[str, WorkerConfig]:
         """The Megatron roles this run builds, each with the section its ranks receive: actor; ref when a KL term

@@ -71,7 +71,7 @@ class Lengths:
 
 FULL = Lengths(rows=16, prompt=(200, 350), response=(100, 1500), tool_span=50, micro_batch_tokens=4096)
 SMALL = Lengths(rows=4, prompt=(20, 35), response=(10, 150), tool_span=5, micro_batch_tokens=512)
-CPU_ROWS = 4
+CPU_ROWS = 3
 """Rows of the full-shape batch on a CPU (same lengths): 2 cores train Qwen2.5-0.5B's shapes at 50-65 tokens/s, so
 the 16-row batch (~17k tokens, 3 updates) would take ~25 minutes; 4 rows took 7 minutes (README)."""
 

@@ -19,7 +19,9 @@ rank held during the live-path syncs (bucket buffers + the tensor being copied i
 
 Bandwidth: the same run times a `--memcpy-mb` tensor copy in this process (`memcpy_gbps`, the
 machine's bound for moving bytes) and reports each live path's GB/s (engine bytes / seconds, 1 GB =
-1e9 bytes) and its fraction of memcpy. Where the tensor path's time goes (bf16 parameters), each
+1e9 bytes) and its fraction of memcpy; and a `--memcpy-mb` / 2 gloo broadcast between two processes of this
+host (`broadcast_gbps`, `broadcast_memcpy_fraction`): the distributed path's transport on CPUs, its bound here
+(NCCL's on GPUs). Where the tensor path's time goes (bf16 parameters), each
 part timed alone in the same run: `export_s` (the ranks' `stats` mode: TP gather, re-split to HF
 layout, packing into buckets, nothing shipped; max over ranks), `serialize_s` and `engine_load_s`
 (buckets of the checkpoint's own tensors built in this process, pickled by shared-memory name and
@@ -53,7 +55,7 @@ RESULT_KEYS = (
     "distributed_speedup", "check_s", "memcpy_gbps", "tensor_gbps", "distributed_gbps", "tensor_memcpy_fraction",
     "distributed_memcpy_fraction", "tensor_first_s", "distributed_first_s", "tensor_control_s", "export_s",
     "export_wall_s", "serialize_s", "engine_load_s", "fp32_tensor_s", "fp32_distributed_s", "fp32_disk_s",
-    "fp32_tensor_gbps", "fp32_distributed_gbps",
+    "fp32_tensor_gbps", "fp32_distributed_gbps", "broadcast_gbps", "broadcast_memcpy_fraction",
 )
 
 QWEN2_5_0_5B = {
@@ -98,6 +100,40 @@ def memcpy_gbps(mb: int, repeats: int = 3) -> float:
         dst.copy_(src)
         times.append(time.perf_counter() - t0)
     return src.numel() / statistics.median(times[1:]) / 1e9
+
+
+def _broadcast_rank(rank: int, port: int, mb: int, repeats: int, q: Any) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    t = torch.ones(mb << 20, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.broadcast(t, src=0)
+        times.append(time.perf_counter() - t0)
+    if rank == 1:  # the receiver: done when the bytes have arrived
+        q.put(t.numel() / statistics.median(times[1:]) / 1e9)
+    dist.destroy_process_group()
+
+
+def broadcast_gbps(mb: int, repeats: int = 3) -> float:
+    """GB/s of a gloo broadcast of `mb` MiB from one process to another on this host (median of `repeats`, after a
+    warm-up broadcast)."""
+    from megatron_workers.ports import free_port
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_broadcast_rank, args=(r, port, mb, repeats, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        return q.get(timeout=300)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
 
 
 def time_paths(group: Any, engine: Any, args: argparse.Namespace, root: Path, version: int) -> dict[str, Any]:
@@ -192,6 +228,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     memcpy = memcpy_gbps(args.memcpy_mb)
     logger.info("memcpy of %d MiB: %.2f GB/s", args.memcpy_mb, memcpy)
+    broadcast = broadcast_gbps(args.memcpy_mb // 2)
+    logger.info("gloo broadcast of %d MiB between two processes: %.2f GB/s", args.memcpy_mb // 2, broadcast)
     root = Path(tempfile.mkdtemp(prefix="polyturn-bench-wsync-"))
     params = write_random_checkpoint(root / "model", config)
     logger.info("random checkpoint: %d params at %s", params, root / "model")
@@ -231,6 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "export_wall_s", "serialize_s", "engine_load_s")},
         **{f"fp32_{m}_s": fp[f"{m}_s"] for m in ("tensor", "distributed", "disk")},
         **{f"fp32_{m}_gbps": fp["bytes"] / fp[f"{m}_s"] / 1e9 for m in ("tensor", "distributed")},
+        "broadcast_gbps": broadcast, "broadcast_memcpy_fraction": broadcast / memcpy,
     }
     out = {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
     print(json.dumps(out))

@@ -26,7 +26,8 @@ from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, 
 
 from megatron_workers.config import ActorConfig
 from megatron_workers.logprobs import linear_logprobs_entropy
-from megatron_workers.runner import Batch, LossFn, MegatronRunner, MicroBatch, validate_batch
+from megatron_workers.micro_batches import Batch, MicroBatch, validate_batch
+from megatron_workers.runner import LossFn, MegatronRunner
 
 
 def sft_loss(mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:

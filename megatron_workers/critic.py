@@ -27,7 +27,8 @@ import torch
 
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-from megatron_workers.runner import Batch, LossFn, MegatronRunner, MicroBatch, validate_batch
+from megatron_workers.micro_batches import Batch, MicroBatch, validate_batch
+from megatron_workers.runner import LossFn, MegatronRunner
 
 logger = logging.getLogger(__name__)
 

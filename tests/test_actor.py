@@ -79,7 +79,7 @@ def masked_pg_loss(mb: dict) -> tuple[torch.Tensor, dict]:
 def test_validate_batch_refusals_name_the_sample():
     """Contract: shape disagreement, an empty response, NaN advantages/rewards and responses that are
     not the sequence's tail are refused with an error naming the key or sample index."""
-    from megatron_workers.runner import validate_batch
+    from megatron_workers.micro_batches import validate_batch
 
     base = make_batch(vocab=50, seed=1)
     validate_batch(base)
@@ -107,7 +107,7 @@ def test_dynamic_micro_batches_respect_token_budget_and_cover_every_row():
     """Contract: dynamic micro-batches hold every row once and stay within ppo_max_token_len_per_gpu
     real tokens, and each micro-batch's pack holds exactly its rows' real tokens, in order."""
     from megatron_workers.config import ActorConfig
-    from megatron_workers.runner import split_micro_batches
+    from megatron_workers.micro_batches import split_micro_batches
 
     batch = make_batch(vocab=50, seed=2, B=16)
     cfg = ActorConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=60, optim=None)
@@ -127,7 +127,7 @@ def test_virtual_pipeline_micro_batch_counts_are_multiples_of_pp_within_both_lim
     when the rows allow, every row still once, within the token budget and the fixed size, and every pack has the
     longest's length; with too few rows the count stays (the runner then runs them as one group)."""
     from megatron_workers.config import ActorConfig
-    from megatron_workers.runner import split_micro_batches
+    from megatron_workers.micro_batches import split_micro_batches
 
     batch = make_batch(vocab=50, seed=2, B=16)
     for cfg in (ActorConfig(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=60, optim=None),

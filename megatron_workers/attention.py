@@ -11,14 +11,18 @@ Kernels (`KERNEL`, chosen once per process):
 
 - `flash_varlen` (the default): `torch.nn.attention.varlen.varlen_attn`, PyTorch's
   Flash-Attention over `cu_seqlens`, for bf16 / fp16 on a GPU; fp32 activations take the
-  per-segment path below (Flash-Attention has no fp32 kernel).
+  per-segment path below (Flash-Attention has no fp32 kernel). Its signature changed across
+  torch releases (`is_causal` became `window_size`; `enable_gqa` came later): the call follows the
+  installed one, repeating the key / value heads where it takes no `enable_gqa`.
 - `segment_sdpa`: `scaled_dot_product_attention(is_causal=True)` per sequence, PyTorch's fused
   CPU kernels. `cpu_compat.apply_cpu_compat` installs it on a machine without a GPU.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -53,8 +57,19 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
         return segment_sdpa(q, k, v, cu_seqlens, max_seqlen, scale)
     from torch.nn.attention.varlen import varlen_attn
 
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale,
-                       window_size=(-1, 0), enable_gqa=True)
+    causal, gqa = _varlen_options(varlen_attn)
+    if gqa:
+        causal = {**causal, "enable_gqa": True}
+    elif k.shape[1] != q.shape[1]:  # no enable_gqa in this torch: every query head gets its group's key / value
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, **causal)
+
+
+@functools.cache
+def _varlen_options(fn: Callable) -> tuple[dict[str, Any], bool]:
+    """How the installed `varlen_attn` asks for causal attention, and whether it takes `enable_gqa`."""
+    params = inspect.signature(fn).parameters
+    return ({"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}), "enable_gqa" in params
 
 
 KERNEL: Kernel = flash_varlen

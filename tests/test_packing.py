@@ -67,6 +67,46 @@ def test_segment_attention_is_causal_within_each_sequence_with_gqa():
     torch.testing.assert_close(attention.segment_sdpa(q, k2, v2, cu, 7, scale)[:6], out[:6], rtol=0, atol=0)
 
 
+def _fake_varlen(calls: list, gqa: bool, causal_key: str):
+    """A `varlen_attn` of one torch release's signature, computing with `dense_reference` and recording its calls."""
+
+    def check(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, enable_gqa):
+        assert cu_q is cu_k and max_q == max_k and causal and (enable_gqa or k.shape[1] == q.shape[1])
+        calls.append((k.shape[1], enable_gqa))
+        return dense_reference(q, k, v, cu_q, scale)
+
+    if causal_key == "window_size" and gqa:
+        def fake(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+            return check(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size == (-1, 0), enable_gqa)
+    elif causal_key == "window_size":
+        def fake(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+            return check(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size == (-1, 0), False)
+    else:
+        def fake(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, is_causal=False):
+            return check(q, k, v, cu_q, cu_k, max_q, max_k, scale, is_causal, False)
+    return fake
+
+
+@pytest.mark.parametrize("gqa, causal_key", [(True, "window_size"), (False, "window_size"), (False, "is_causal")])
+def test_flash_varlen_follows_the_installed_signature(monkeypatch, gqa, causal_key):
+    """Contract: the GPU kernel calls `varlen_attn` the way the installed torch takes it (causal by `window_size`
+    or `is_causal`; grouped key / value heads by `enable_gqa`, or repeated to the query heads where it has none) and
+    gives causal attention within each segment. Fakes of each signature stand in for the CUDA kernel here; fp32
+    input takes the per-segment path."""
+    import torch.nn.attention.varlen as varlen
+
+    calls: list = []
+    monkeypatch.setattr(varlen, "varlen_attn", _fake_varlen(calls, gqa, causal_key))
+    g = torch.Generator().manual_seed(1)
+    cu = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+    q, k, v = (torch.randn(13, h, 8, generator=g).bfloat16() for h in (4, 2, 2))
+    out = attention.flash_varlen(q, k, v, cu, 7, 0.3)
+    torch.testing.assert_close(out, dense_reference(q, k, v, cu, 0.3), rtol=0, atol=0)
+    assert calls == [(2, True)] if gqa else calls == [(4, False)]
+    attention.flash_varlen(q.float(), k.float(), v.float(), cu, 7, 0.3)
+    assert len(calls) == 1, "fp32 input must not reach the Flash-Attention kernel"
+
+
 def test_packed_attention_refuses_unpacked_input():
     """Contract: the model's core attention needs THD packed_seq_params; a padded call fails naming the helper."""
     from megatron.core.transformer.enums import AttnMaskType

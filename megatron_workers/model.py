@@ -157,14 +157,16 @@ def _te_spec(shape: Any) -> tuple[Any, type]:
 
 
 class RMSNorm(torch.nn.RMSNorm):
-    """torch's RMSNorm built the way Megatron builds a norm (the local spec's own refuses sequence parallelism).
+    """torch's RMSNorm built the way Megatron builds a norm (the local spec's own refuses sequence parallelism):
+    on the rank's device, in the parameters' dtype.
 
     With sequence parallelism each TP rank normalises its own slice of the sequence, so the weight is marked
     `sequence_parallel` and Megatron's `finalize_model_grads` sums its gradient over the TP group.
     """
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
-        super().__init__(hidden_size, eps=eps)
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()  # as Megatron's layers
+        super().__init__(hidden_size, eps=eps, device=device, dtype=config.params_dtype)
         self.weight.sequence_parallel = config.sequence_parallel
 
 

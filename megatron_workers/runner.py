@@ -139,8 +139,6 @@ class MegatronRunner:
             # stages exchange activations and gradients in both directions with the same peer, which only
             # Megatron's unbatched p2p keeps apart (a communicator per direction), and shapes it cannot exchange.
             module.config.overlap_p2p_comm, module.config.batch_p2p_comm = True, False
-        for p in module.parameters():  # the local spec's torch norms are built fp32; Megatron's Float16Module casts all
-            p.data = p.data.to(self.params_dtype)
         mmodel.load_hf_weights(module, hf_state, self.hf_config)
         return module
 

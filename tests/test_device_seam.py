@@ -86,6 +86,26 @@ def test_critic_and_sft_keep_the_seam(world_of_one, tiny_model_dir, monkeypatch)
     assert metrics["sft/sft_loss"] > 0
 
 
+def test_every_parameter_is_built_on_the_ranks_device_in_its_dtype(world_of_one, tmp_path, monkeypatch):
+    """Contract: every parameter of the reference policy and the critic (bare models: no DDP buffer moves them),
+    norms and Qwen3's q/k norms and the heads included, is built on the rank's device (`torch.cuda.current_device()`)
+    in the parameters' dtype. Here that device answers `meta`, where no host tensor is, so a parameter built in
+    host memory shows (on a GPU it crashes the first forward)."""
+    from megatron_workers.actor import MegatronActor
+    from megatron_workers.critic import MegatronCritic
+    from recipe.tiny_model import write_tiny_checkpoint
+
+    model_dir = write_tiny_checkpoint(tmp_path / "qwen3", seed=0, arch="qwen3")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("meta"))
+    for role in (MegatronActor, MegatronCritic):
+        runner = role(model_dir, _cfg(optim=False, dtype="bfloat16"))
+        params = {n: p for m in runner.modules for n, p in m.named_parameters()}
+        assert any("q_layernorm" in n for n in params) and any("output_layer" in n for n in params)
+        elsewhere = {n: (p.device.type, p.dtype) for n, p in params.items()
+                     if p.device.type != "meta" or p.dtype != torch.bfloat16}
+        assert not elsewhere, f"{role.__name__}: parameters off the device or dtype: {elsewhere}"
+
+
 def test_the_checker_refuses_a_mixed_op_and_a_stray_copy():
     """Contract: the checker itself refuses what a GPU would refuse (and not a 0-dim host scalar)."""
     from megatron_workers.device_check import DeviceMixError, discipline, to_device, to_host

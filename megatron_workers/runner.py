@@ -421,7 +421,7 @@ class MegatronRunner:
                             p.data = p.data.to(device, non_blocking=to_host)
                 for state in inner.state.values():
                     for k, v in state.items():
-                        if torch.is_tensor(v):
+                        if torch.is_tensor(v) and k != "step":  # torch's Adam keeps its step count on the host
                             state[k] = v.to(device, non_blocking=to_host)
         if to_host:
             torch.cuda.synchronize()  # the copies must land before the device memory is reused
@@ -443,13 +443,15 @@ class MegatronRunner:
 
     def hf_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         """The full HF-named state dict on global rank 0 (None elsewhere; collective)."""
-        return mmodel.export_hf_state_dict(self.modules, self.hf_config, dst_rank=0)
+        with self.params_on_device():
+            return mmodel.export_hf_state_dict(self.modules, self.hf_config, dst_rank=0)
 
     def export_hf(self, path: str, dtype: str | None = None) -> None:
         """Write an HF checkpoint directory in `dtype` ("bfloat16" / "float32"; None: the parameters' dtype),
-        gathered to global rank 0 (collective)."""
-        checkpoint.export_hf(path, self.modules, self.hf_config, self.hf_dir,
-                             getattr(torch, dtype) if dtype else self.params_dtype)
+        gathered to global rank 0 (collective); the disk weight sync calls it between phases, offloaded."""
+        with self.params_on_device():
+            checkpoint.export_hf(path, self.modules, self.hf_config, self.hf_dir,
+                                 getattr(torch, dtype) if dtype else self.params_dtype)
 
 
 def _move_storage(buf: Any, attr: str, device: torch.device, keep: bool) -> None:

@@ -155,8 +155,12 @@ class BucketBuffers:
         return [self._buffers[(str(device), k)] for k in parities]
 
     def release_device(self) -> None:
-        """Forget the buffers that are not in host memory."""
-        self._buffers = {k: b for k, b in self._buffers.items() if b.device.type == "cpu"}
+        """Forget the buffers that are not in host memory and hand their memory back to the GPU (the engines' KV
+        cache resumes next)."""
+        kept = {k: b for k, b in self._buffers.items() if b.device.type == "cpu"}
+        dropped, self._buffers = len(kept) < len(self._buffers), kept
+        if dropped:
+            torch.cuda.empty_cache()
 
 
 def stream_buckets(named: Iterator[NamedTensor], plan: list[list[NamedTensor]], meter: MemoryMeter,

@@ -27,7 +27,10 @@ Where it departs from verl: one plan for every role instead of per-role resource
 and critic never need GPUs of their own); an engine is its own Ray actor, placed on the bundle of
 its first GPU, and sees all of its node's GPUs (Ray would set CUDA_VISIBLE_DEVICES to the one GPU
 of its fractional share, so `RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES` is set for it and
-`base_gpu_id` picks its GPUs, as verl and slime do for SGLang).
+`base_gpu_id` picks its GPUs, as verl and slime do for SGLang). In hybrid placement on GPUs every rank and
+engine also gets `NCCL_MULTI_RANK_GPU_ENABLE=1`: the distributed weight-sync path puts a stage's sender and the
+engine rank on the same GPU into one NCCL group, which NCCL otherwise refuses ("Multiple Ranks are using the same
+GPU").
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 TRAINER, ROLLOUT = "trainer", "rollout"  # the pools
 NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+NCCL_SHARED_GPU = {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}  # hybrid: NCCL groups with two processes on one GPU
 _POOL_KEYS = {TRAINER: ("trainer.nnodes", "trainer.n_gpus_per_node"),
               ROLLOUT: ("rollout.nnodes", "rollout.n_gpus_per_node")}
 
@@ -237,6 +241,8 @@ class Placement:
         }
         if self.use_gpus:
             opts["num_gpus"] = _floor4(1 / occupants)
+            if self.plan.hybrid:
+                opts["runtime_env"] = {"env_vars": dict(NCCL_SHARED_GPU)}
         return opts
 
     def rank_options(self, role: str) -> list[dict[str, Any]]:
@@ -249,7 +255,8 @@ class Placement:
         """Ray options for engine `i`'s actor (its SGLang `base_gpu_id` is `plan.engines[i].base_gpu_id`)."""
         opts = self._options(self.plan.engines[i].bundle)
         if self.use_gpus:  # SGLang picks its tp GPUs from base_gpu_id among all of the node's GPUs
-            opts["runtime_env"] = {"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}}
+            env = opts.get("runtime_env", {}).get("env_vars", {})
+            opts["runtime_env"] = {"env_vars": {**env, NOSET_CUDA_VISIBLE_DEVICES: "1"}}
         return opts
 
     def check_ranks(self, role: str, gpu_ids: list[tuple[int, ...]]) -> None:

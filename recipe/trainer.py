@@ -105,6 +105,7 @@ Batch = dict[str, torch.Tensor]
 
 
 ROLLOUT_AHEAD = "rollout_ahead.pkl"  # in a one_step_off checkpoint: the next step's rollout (a pickled Collected)
+ENGINE_MEMORY = ("weights", "kv_cache", "cuda_graph")  # SGLang's memory tags; a release of None frees them all
 STREAM = "stream.pkl"  # in a fully_async checkpoint: (finished groups not taken, prompts in flight or drawn)
 
 
@@ -229,6 +230,7 @@ class Trainer:
         self.mfu = mfu  # perf/mfu/actor (recipe.flops); None: the device's peak FLOPs are unknown (e.g. a CPU)
         self._loop = asyncio.new_event_loop()
         self.engine_restarts = [0] * len(agent_loop.router.engines)  # restarts so far, per engine
+        self._engines_released: set[str] = set()  # colocated: the engines' memory tags released now (ENGINE_MEMORY)
         self.faults = {"fault/engine_restarts": 0.0, "fault/retried_trajectories": 0.0, "fault/skipped_steps": 0.0}
         self.failed_steps_in_row = 0  # steps in a row that trained nothing
         self._fatal: RunFailed | None = None  # an engine died with no restart left: raised once the rollout ends
@@ -530,7 +532,8 @@ class Trainer:
             self.unsynced_updates += 1
         self._megatron_memory("offload")
         self._engines_memory("resume_memory_occupation", tags=["weights"])
-        if sync and self.unsynced_updates:  # unchanged weights are not synced again
+        # unchanged weights are not synced again, unless colocated engines released theirs (SGLang keeps no copy)
+        if sync and (self.unsynced_updates or self.workers.colocated):
             if before_sync is not None:  # the engines take new weights once the rollout in flight lets them
                 with timer("wait_rollout"):
                     before_sync()
@@ -614,6 +617,11 @@ class Trainer:
                            router.dead[idx], self.engine_restarts[idx], r.max_engine_restarts)
             try:
                 engine.restart()
+                # colocated, mid-step: the fresh engine holds what the others released, all but the weights the sync
+                # below loads (SGLang refuses to resume memory it never released, killing the engine)
+                released = sorted(self._engines_released - {"weights"})
+                if self.workers.colocated and released:
+                    engine.release_memory_occupation(released)
             except Exception as e:
                 raise RunFailed(f"engine {engine.name}: restart failed: {type(e).__name__}: {e}") from e
         version = self.weight_version if version is None else version
@@ -757,6 +765,11 @@ class Trainer:
         if self.workers.colocated:
             for engine in self.workers.engines:
                 getattr(engine, method)(tags)
+            changed = set(tags or ENGINE_MEMORY)
+            if method == "release_memory_occupation":
+                self._engines_released |= changed
+            else:
+                self._engines_released -= changed
 
     def _megatron_memory(self, method: str) -> None:
         move_megatron_state(self.workers.groups(), self.cfg.actor_rollout_ref.actor.megatron, method)

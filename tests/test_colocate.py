@@ -59,6 +59,9 @@ class FakeEngine:
     def resume_memory_occupation(self, tags=None) -> None:
         self.events.append(f"{self.name}.resume{tags or ''}")
 
+    def restart(self) -> None:
+        self.events.append(f"{self.name}.restart")
+
     def shutdown(self) -> None:
         self.events.append(f"{self.name}.shutdown")
 
@@ -68,10 +71,12 @@ class FakeSync:
         self.events = events
         self.version = 0  # the engines' weight version
 
-    def sync(self, version: int) -> dict[str, float]:
+    def sync(self, version: int, check: bool = False) -> dict[str, float]:
         self.events.append(f"sync v{version}")
         self.version = version
         return {"weight_sync/seconds": 0.0}
+
+    def forget_groups(self, engines) -> None: ...
 
     def close(self) -> None:
         self.events.append("sync.close")
@@ -186,6 +191,45 @@ def test_colocated_step_takes_turns_on_the_gpus_in_order(tmp_path):
     release_then_onload = events[1:6]
     assert release_then_onload == ["engine0.release", "engine1.release", "actor.onload", "ref.onload", "critic.onload"]
     assert trainer.weight_version == 2
+    trainer.close()
+
+
+@pytest.mark.unit
+def test_colocated_engines_get_their_weights_back_in_critic_warmup_steps(tmp_path):
+    """Contract: colocated engines released their weights for training (SGLang keeps no copy), so a step that does
+    not update the actor (trainer.critic_warmup) still syncs the unchanged weights into them before they serve."""
+    trainer, events = make_trainer(tmp_path, OFFLOAD + ["trainer.critic_warmup=2"], colocated=True)
+    trainer.step(prompts(), 1)
+    assert "actor.update_policy" not in events and "critic.update_critic" in events
+    assert phases(events)[-3:] == ["resume['weights']", "sync v0", "resume['kv_cache', 'cuda_graph']"]
+    trainer.close()
+
+
+@pytest.mark.unit
+def test_an_engine_restarted_mid_step_releases_what_the_others_released(tmp_path):
+    """Contract: when the sync finds an engine dead, the restarted engine (all its memory resident) releases the KV
+    cache and CUDA graphs the other colocated engines hold released, so the step's last resume finds them released
+    on every engine (SGLang kills an engine asked to resume memory it never released)."""
+    trainer, events = make_trainer(tmp_path, OFFLOAD, colocated=True)
+    sync, router = trainer.workers.weight_sync, trainer.agent_loop.router
+    first = {"failed": False}
+
+    def failing_sync(version: int, check: bool = False) -> dict[str, float]:
+        if not first["failed"]:
+            first["failed"] = True
+            router.dead = {1: "engine1 died"}
+            raise RuntimeError("engine1 died mid-sync")
+        events.append(f"sync v{version}")
+        return {"weight_sync/seconds": 0.0}
+
+    sync.sync = failing_sync
+    router.engines = trainer.workers.engines
+    router.revive = lambda idx: router.dead.pop(idx)
+    trainer.engine_restarts = [0, 0]
+    trainer.step(prompts(), 1)
+    tail = events[events.index("engine1.restart"):]
+    assert tail == ["engine1.restart", "engine1.release['cuda_graph', 'kv_cache']", "sync v1",
+                    "engine0.resume['kv_cache', 'cuda_graph']", "engine1.resume['kv_cache', 'cuda_graph']"]
     trainer.close()
 
 

@@ -12,9 +12,9 @@ import pytest
 pytestmark = pytest.mark.unit
 
 
-def test_sync_and_checkpoints_of_an_offloaded_actor_bring_its_params_back_then_offload_them(
+def test_syncs_checkpoints_and_exports_of_an_offloaded_actor_bring_its_params_back_then_offload_them(
         world_of_one, tiny_model_dir, tmp_path, monkeypatch):
-    from megatron_workers import checkpoint
+    from megatron_workers import checkpoint, model as mmodel
     from megatron_workers.actor import MegatronActor
     from megatron_workers.config import ActorConfig, OptimConfig
 
@@ -34,6 +34,8 @@ def test_sync_and_checkpoints_of_an_offloaded_actor_bring_its_params_back_then_o
     monkeypatch.setattr(actor._weight_sender, "send", recorded("export", actor._weight_sender.send))
     monkeypatch.setattr(checkpoint, "save_rank", recorded("save", checkpoint.save_rank))
     monkeypatch.setattr(checkpoint, "load_rank", recorded("load", checkpoint.load_rank))
+    monkeypatch.setattr(checkpoint, "export_hf", recorded("export_hf", checkpoint.export_hf))  # the disk sync's
+    monkeypatch.setattr(mmodel, "export_hf_state_dict", recorded("hf_state_dict", mmodel.export_hf_state_dict))
     plan = {"mode": "stats", "bucket_bytes": 1 << 20, "dtype": "float32", "key": "offloaded"}
 
     resident = actor.send_weights(plan)
@@ -44,11 +46,12 @@ def test_sync_and_checkpoints_of_an_offloaded_actor_bring_its_params_back_then_o
     sent = actor.send_weights(plan)
     actor.save_checkpoint(str(tmp_path / "ckpt"))
     actor.load_checkpoint(str(tmp_path / "ckpt"))
+    actor.export_hf(str(tmp_path / "hf"))
+    actor.hf_state_dict()
     actor.onload()
-    params_back = [("onload", ["params"]), None, ("offload", ["params"])]
     expected = [("offload", ["grads", "optimizer", "params"])]
-    for step in ("export", "save", "load"):
-        expected += [step if e is None else e for e in params_back]
+    for steps in (["export"], ["save"], ["load"], ["export_hf", "hf_state_dict"], ["hf_state_dict"]):  # export_hf
+        expected += [("onload", ["params"]), *steps, ("offload", ["params"])]  # gathers the state dict too
     expected.append(("onload", ["grads", "optimizer", "params"]))
     assert events == expected
     assert sent["bytes"] == resident["bytes"] > 0

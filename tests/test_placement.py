@@ -196,6 +196,10 @@ def test_grpo_kl_and_ppo_fit_one_8_gpu_node(fake_gpu_node, data_file, algo):
                 claimed.setdefault(plan.rank_bundle(r).gpu, []).append(opts["num_gpus"])
         for i, e in enumerate(plan.engines):
             claimed[e.base_gpu_id].append(placement.engine_options(i)["num_gpus"])
+            assert placement.engine_options(i)["runtime_env"]["env_vars"] == {
+                "NCCL_MULTI_RANK_GPU_ENABLE": "1", "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+        assert all(o["runtime_env"]["env_vars"] == {"NCCL_MULTI_RANK_GPU_ENABLE": "1"}  # hybrid: sender + engine rank
+                   for role in plan.roles for o in placement.rank_options(role))  # share a GPU in one NCCL group
         assert sorted(claimed) == list(range(8))
         assert all(0 < sum(shares) <= 1 for shares in claimed.values())
     finally:

@@ -402,7 +402,8 @@ class WeightSender:
 
         - "tensor": `plan["serializers"][global rank]` lists the (engine index, engine TP rank) copies that
           rank serializes; `plan["engines"]` are the engine actor handles.
-        - "distributed": the stage sender broadcasts over `plan["groups"][stage]` (a group name).
+        - "distributed": the stage sender broadcasts over `plan["groups"][stage]` (a group name); stages not in
+          `plan["groups"]` send nothing.
         - "stats": ship nothing (expected checksums for a sync done another way, e.g. from disk).
 
         Also `bucket_bytes`, `dtype` (engine dtype name), `key` (unique per sync), `checksums` (bool).
@@ -424,7 +425,7 @@ class WeightSender:
             if not senders:
                 return None  # no engine TP rank sits on this replica's GPUs for this stage
             mine = serializers.get(dist.get_rank(), [])
-        elif dp_rank:
+        elif dp_rank or (mode == "distributed" and stage not in plan["groups"]):  # the driver ships a stage at a time
             return None
         else:
             mine, senders = [], [0]

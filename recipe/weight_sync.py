@@ -7,7 +7,8 @@ call per engine, flushes its prefix cache and closes the session under the new v
 
 - "tensor": serialized handles per engine TP rank (colocated / hybrid placement);
 - "distributed": a broadcast over a process group per pipeline stage that every engine TP rank
-  joins (separate placement, or across nodes); the groups are made once, on the first sync;
+  joins (separate placement, or across nodes); the groups are made once, on the first sync, and the
+  stages ship one after another;
 - "disk": the actor writes an HF checkpoint that every engine reloads (fallback and baseline;
   the directory must be reachable from the engines' nodes).
 
@@ -134,7 +135,13 @@ class WeightSync:
             self._each_engine("begin_weight_update")
             t_send = time.perf_counter()
             try:
-                results = self.group.call_all("send_weights", {**plan, "mode": self.mode})
+                if self.mode == "distributed":  # a stage at a time: an engine serves one update at a time, so two
+                    # stages broadcasting at once can each hold an engine the other's group waits for
+                    results = [r for stage, name in plan["groups"].items()
+                               for r in self.group.call_all("send_weights", {**plan, "mode": self.mode,
+                                                                             "groups": {stage: name}})]
+                else:
+                    results = self.group.call_all("send_weights", {**plan, "mode": self.mode})
             except BaseException:
                 self._each_engine("end_weight_update")  # close the session; the version stays the old one
                 raise

@@ -114,6 +114,42 @@ def test_bucket_buffers_are_reused_and_consecutive_syncs_each_deliver_their_weig
 
 
 @pytest.mark.unit
+def test_distributed_path_ships_one_pipeline_stage_at_a_time(monkeypatch):
+    """Contract: on the distributed path the driver asks the ranks to send one pipeline stage's group at a time (an
+    engine serves one weight update at a time: two stages broadcasting at once could each hold an engine the other's
+    group waits for, a hang), and every rank of that stage takes part; the tensor path sends all stages at once."""
+    from types import SimpleNamespace
+
+    import recipe.weight_sync as ws
+
+    calls: list = []
+
+    class Group:
+        ranks = [SimpleNamespace(rank=r, pp_rank=r // 2, tp_rank=r % 2, dp_rank=0) for r in range(4)]  # TP2 x PP2
+
+        def call_all(self, method, *args):
+            calls.append((method, sorted(args[0]["groups"]) if args and "groups" in args[0] else None))
+            if method == "weight_sync_endpoint":
+                return [{"stage": s, "address": "a", "port": 1, "backend": "gloo"} for s in (0, 1)] + [None, None]
+            return [None] * 4
+
+    class Handle:
+        class call:  # noqa: N801 - Ray's `handle.method.remote(...)` shape
+            @staticmethod
+            def remote(method, *args, **kwargs):
+                return method
+
+    engine = SimpleNamespace(name="e0", tp_size=1, handle=Handle(), weight_version=0, refresh=lambda: None)
+    monkeypatch.setattr(ws.ray, "get", lambda refs: [None] * len(refs) if isinstance(refs, list) else None)
+    for mode, expected in (("distributed", [[0], [1]]), ("tensor", [None])):
+        calls.clear()
+        sync = ws.WeightSync(Group(), [engine], mode=mode, bucket_bytes=1 << 20, engine_dtype="bfloat16", check=False)
+        engine.weight_version = 7
+        sync.sync(7)
+        assert [g for m, g in calls if m == "send_weights"] == expected, mode
+
+
+@pytest.mark.unit
 def test_probe_combine_counts_replicas_once_and_names_mismatches(tmp_path):
     """Per-rank probe files add up to the full tensor's statistics (replicated copies counted once);
     mismatches name the tensor, a missing one too; a missing rank's file is an error."""

@@ -7,7 +7,7 @@ is a world of one rank (NCCL on a GPU, gloo plus the CPU adapter without one). T
 shapes (`benchmarks.weight_sync.write_random_checkpoint`: random bf16 weights, no download; `--small`: that
 benchmark's 2-layer smoke shapes, for CPUs and tests). The batch has a realistic spread of lengths: prompts of
 200-350 tokens, responses of 100-1500 (a tool span in the longer ones), packed into micro-batches of at most
-4096 tokens; 16 rows on a GPU, 4 on a CPU (`CPU_ROWS`), `--rows` to choose. In order:
+4096 tokens; 16 rows on a GPU, 3 on a CPU (`CPU_ROWS`), `--rows` to choose. In order:
 
 1. log-probs of an fp32 copy of the same (bf16-valued) weights, as the reference for the bf16 gap;
 2. the bf16 actor (fp32 main params and Adam): log-probs and one PPO update (recipe.algos' policy loss) under
@@ -73,7 +73,7 @@ FULL = Lengths(rows=16, prompt=(200, 350), response=(100, 1500), tool_span=50, m
 SMALL = Lengths(rows=4, prompt=(20, 35), response=(10, 150), tool_span=5, micro_batch_tokens=512)
 CPU_ROWS = 3
 """Rows of the full-shape batch on a CPU (same lengths): 2 cores train Qwen2.5-0.5B's shapes at 50-65 tokens/s, so
-the 16-row batch (~17k tokens, 3 updates) would take ~25 minutes; 4 rows took 7 minutes (README)."""
+the 16-row batch (~17k tokens, 3 updates) would take ~25 minutes; 3 rows took 5 minutes, 4 nearly 8 (README)."""
 
 
 def write_model(out: Path, small: bool) -> Path:

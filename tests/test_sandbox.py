@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from rollout.tools import ToolRegistry
-from rollout.tools.sandbox import find_interpreter, namespaces_available
+from rollout.tools.sandbox import SandboxLimits, find_interpreter, namespaces_available
 
 AS_ROOT = os.geteuid() == 0
 MODES = [
@@ -256,6 +256,37 @@ def test_allocating_4gb_fails_with_memory_error(isolation, python_runner):
     assert "ALLOCATED" not in result.text and "MemoryError" in result.text
     assert "[memory limit of 512 MB exceeded]" in result.text
     assert_later_calls_work(runner)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("isolation", MODES)
+def test_limits_are_set_by_exec_not_by_python_between_fork_and_exec(isolation, python_runner, monkeypatch):
+    """Containment without a preexec function: the code sees exactly the configured limits and no supplementary
+    groups, set by `prlimit` / `setpriv` in the exec chain. Python code run between fork and exec in this (threaded)
+    process can wait forever on a lock another thread held at the fork: a GSM8K run hung so, its sandbox child
+    stuck before exec, until the limits moved out of the child."""
+    import asyncio
+
+    real = asyncio.create_subprocess_exec
+    seen: list[dict] = []
+
+    async def spawn(*argv, **kwargs):
+        seen.append(kwargs)
+        return await real(*argv, **kwargs)
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", spawn)
+    runner = python_runner(isolation, cpu_time_s=3)
+    code = ("import os, resource as r\n"
+            "print([r.getrlimit(getattr(r, 'RLIMIT_' + k)) for k in ('CPU', 'AS', 'FSIZE', 'NPROC', 'NOFILE', 'CORE')])\n"
+            "print('GROUPS', os.getgroups())")
+    result = run_code(runner, code)
+    mb = 1024 * 1024
+    open_files = SandboxLimits().max_open_files  # the fixture's config: CPU 3 s, 512 MB, 4 MB files, 32 processes
+    expected = [(3, 4), (512 * mb,) * 2, (4 * mb,) * 2, (32,) * 2, (open_files,) * 2, (0, 0)]
+    assert str([tuple(x) for x in expected]) in result.text, result.text
+    if AS_ROOT:
+        assert "GROUPS []" in result.text
+    assert seen and all("preexec_fn" not in kwargs for kwargs in seen)
 
 
 @pytest.mark.integration

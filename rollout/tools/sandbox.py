@@ -50,7 +50,6 @@ import functools
 import logging
 import os
 import random
-import resource
 import secrets
 import shlex
 import shutil
@@ -305,7 +304,10 @@ class Sandbox:
                 "sandbox isolation 'namespaces' needs `unshare` (util-linux) able to create namespaces, which fails "
                 "here; run where namespaces are allowed, or set isolation: rlimits_unsafe to run code unsandboxed"
             )
-        if self.drop_privileges and shutil.which("setpriv") is None and isolation == "namespaces":
+        self._prlimit, self._setpriv = shutil.which("prlimit"), shutil.which("setpriv")
+        if self._prlimit is None:
+            raise RuntimeError("the sandbox needs `prlimit` (util-linux) to set its resource limits")
+        if self.drop_privileges and self._setpriv is None:
             raise RuntimeError("running as root needs `setpriv` (util-linux) to drop privileges inside the sandbox")
         self.isolation = isolation
         if isolation == "rlimits_unsafe":
@@ -331,23 +333,19 @@ class Sandbox:
         self._uids_in_use.add(uid)
         return uid
 
-    def _preexec(self, uid: int | None = None) -> None:
-        """Runs in the child before exec: resource limits (inherited by everything it starts), then,
-        given `uid`, the switch to that unprivileged uid/gid with no supplementary groups. Done here
-        rather than with Popen's user/group arguments, which uvloop (installed as the asyncio loop by
-        SGLang) does not accept."""
-        lim = self.limits
-        mb = 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_time_s, lim.cpu_time_s + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (lim.memory_mb * mb, lim.memory_mb * mb))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (lim.file_size_mb * mb, lim.file_size_mb * mb))
-        resource.setrlimit(resource.RLIMIT_NPROC, (lim.max_processes, lim.max_processes))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (lim.max_open_files, lim.max_open_files))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    def _limits_argv(self, uid: int | None = None) -> list[str]:
+        """The command prefix that sets the resource limits (inherited by everything it starts) and, given `uid`,
+        switches to that unprivileged uid/gid with no supplementary groups, then execs the rest: util-linux's
+        `prlimit` and `setpriv`. Not a preexec function: Python code between fork and exec in a process with
+        other threads (Ray's, the engine client's) can wait forever on a lock one of them held at the fork, and
+        the call then never starts (seen in a GSM8K run: the child stuck before exec, the rollout hung)."""
+        lim, mb = self.limits, 1024 * 1024
+        argv = [self._prlimit, f"--cpu={lim.cpu_time_s}:{lim.cpu_time_s + 1}", f"--as={lim.memory_mb * mb}",
+                f"--fsize={lim.file_size_mb * mb}", f"--nproc={lim.max_processes}",
+                f"--nofile={lim.max_open_files}", "--core=0", "--"]
         if uid is not None:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
+            argv += [self._setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+        return argv
 
     def _namespace_argv(self, uid: int | None) -> list[str]:
         # Runs as (namespace) root first to set up mounts, then starts python as a child of the
@@ -380,14 +378,12 @@ class Sandbox:
         and privilege drop all done). Raises `SandboxStartError` when it cannot; cancelling kills it."""
         uid = self._take_uid()
         workdir = None if self.isolation == "namespaces" else tempfile.mkdtemp(prefix="polyturn-sandbox-", dir=_workdir_parent())
-        preexec = self._preexec
         if workdir is None:
-            argv, cwd = self._namespace_argv(uid), "/"
+            argv, cwd = self._limits_argv() + self._namespace_argv(uid), "/"
         else:
-            argv, cwd = [self.python, "-I", "-u", "-c", _AUDIT_PRELUDE + _RUN_PRELUDE], workdir
+            argv, cwd = self._limits_argv(uid) + [self.python, "-I", "-u", "-c", _AUDIT_PRELUDE + _RUN_PRELUDE], workdir
             if uid is not None:
                 os.chown(workdir, uid, uid)
-                preexec = functools.partial(self._preexec, uid)
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir or "/tmp"}
         worker = SandboxWorker(None, uid, workdir)
         try:
@@ -399,7 +395,6 @@ class Sandbox:
                 cwd=cwd,
                 env=env,
                 start_new_session=True,
-                preexec_fn=preexec,
             )
             # The interpreter writes one byte when it is ready for code (see _RUN_PRELUDE).
             await asyncio.wait_for(worker.proc.stdout.readexactly(1), self.limits.wall_timeout_s)

@@ -7,7 +7,8 @@ same buckets). A bucket is filled one of two ways:
 - in place (`fill_buckets_in_place`), when the parameters are in host memory, every TP rank of the
   stage runs on this host and one of them sends: each TP rank copies its own shards, cast on the way,
   straight into their places in the sender's shared-memory bucket (`adapters.place_stage_shards`),
-  which the other ranks map for the sync; nothing crosses the TP group but two barriers per bucket;
+  which the other ranks map by name (`SharedMappings`, kept across syncs); nothing crosses the TP
+  group but two barriers per bucket;
 - by gather (`stream_buckets`), otherwise (GPUs: a device bucket cannot be shared across GPUs): every
   tensor's shards are cast and gathered over the stage's TP group one tensor at a time, re-split into
   HF layout (`adapters.iter_stage_hf_tensors`) and copied into the bucket.
@@ -25,10 +26,9 @@ next one, is not counted.
 
 Two live paths, chosen by the caller (plain data in, plain metrics out):
 
-- tensor: each serializing rank pickles the bucket with torch's multiprocessing reductions (CUDA
-  IPC handles on GPUs, shared-memory names on CPU under the `file_system` sharing strategy; the
-  default fd strategy cannot cross to processes that are not this one's children) once per
-  engine TP rank it serves, and calls that engine actor's `load_payload` by name. The engine
+- tensor: each serializing rank pickles the bucket's tensors by handle (`serialize`: CUDA IPC handles
+  on GPUs; on CPU the shared-memory buffer's name, which each engine process maps once and keeps) once
+  per engine TP rank it serves, and calls that engine actor's `load_payload` by name. The engine
   loads a bucket once all its TP ranks' payloads arrived; the sender keeps the bucket alive
   until then.
 - distributed: the stage's sender is rank 0 of a process group that every engine TP rank joins
@@ -45,8 +45,8 @@ from __future__ import annotations
 import functools
 import io
 import logging
+import mmap
 import os
-import pickle
 import queue
 import socket
 import threading
@@ -221,22 +221,70 @@ def fill_buckets_in_place(place: Callable[[dict[str, torch.Tensor]], None], plan
         yield Bucket(index, flat[:off], slots)
 
 
+class SharedMappings:
+    """Writable mappings of other processes' shared-memory buffers, by name, kept across syncs.
+
+    A fresh mapping costs a page fault per page touched (writing into one: about three times the copy, measured
+    here) and an unmapping after; a kept one costs nothing after the first sync. Used by a sender's TP peers (the
+    in-place fill) and by the engine processes that load its buckets (`rebuild_shared_view`). They are plain
+    `mmap`s, which torch's shared-memory bookkeeping never counts: the owner's torch unlinks a buffer's file when it
+    frees the buffer or dies, and mappings whose file is gone are dropped when a new one is made.
+    """
+
+    def __init__(self) -> None:
+        self._maps: dict[str, torch.Tensor] = {}  # name -> (file bytes,) uint8
+
+    def view(self, name: str, nbytes: int) -> torch.Tensor:
+        """The `nbytes` bytes of the storage in shared-memory file `name` (torch puts a header before them)."""
+        file = self._maps.get(name)
+        if file is None:
+            self._maps = {n: m for n, m in self._maps.items() if os.path.exists(_shm_path(n))}
+            fd = os.open(_shm_path(name), os.O_RDWR)
+            try:  # populated at once: cheaper than faulting the pages in one by one
+                file = self._maps[name] = torch.frombuffer(
+                    mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE), dtype=torch.uint8)
+            finally:
+                os.close(fd)
+        return file[file.numel() - nbytes:]
+
+
+def _shared_name(t: torch.Tensor) -> str:
+    """The shared-memory name of a host tensor's storage (moved to shared memory first if it is not there)."""
+    return t.untyped_storage()._share_filename_cpu_()[1].decode()
+
+
+def _shm_path(name: str) -> str:
+    return f"/dev/shm/{name.lstrip('/')}"
+
+
+_RECEIVED = SharedMappings()  # in a process that loads buckets (an engine's TP rank)
+
+
+def rebuild_shared_view(name: str, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...],
+                        stride: tuple[int, ...], offset: int) -> torch.Tensor:
+    """Unpickle a host tensor `serialize` pickled: a view of the `nbytes`-byte storage in shared-memory file `name`
+    (`offset` in elements), through this process's kept mapping of it."""
+    flat = _RECEIVED.view(name, nbytes)
+    return torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), flat.storage_offset() // dtype.itemsize + offset,
+                                            shape, stride)
+
+
 def _shared_buffer(size: int, device: torch.device) -> torch.Tensor:
-    """`size` bytes other processes can map. CPU storage is made by shared-memory *name* (the strategy
-    `serialize` pickles by): one made by file descriptor would be copied into a named one when pickled."""
+    """`size` bytes other processes can map. CPU storage is made by shared-memory *name* (what `serialize` pickles
+    and `SharedMappings` maps): one made by file descriptor would be copied into a named one when pickled."""
     torch.multiprocessing.set_sharing_strategy("file_system")
     return torch.empty(0, dtype=torch.uint8, device=device).set_(torch.UntypedStorage._new_shared(size, device=device))
 
 
 def serialize(obj: Any) -> bytes:
-    """Pickle with torch's multiprocessing reductions (tensors by shared handle, not by value).
+    """Pickle with tensors by shared handle, not by value.
 
-    CPU tensors go by shared-memory name (`file_system` strategy); CUDA tensors by IPC handle,
-    their device given as its UUID (the receiving engine maps it back to its own device index).
+    CPU tensors go by shared-memory name, rebuilt by `rebuild_shared_view` through the receiving process's kept
+    mapping of the buffer (torch's own reduction would map and unmap it per bucket); CUDA tensors by torch's IPC
+    handle, their device given as its UUID (the receiving engine maps it back to its own device index).
     """
     from multiprocessing.reduction import ForkingPickler
 
-    torch.multiprocessing.set_sharing_strategy("file_system")
     buf = io.BytesIO()
     pickler = ForkingPickler(buf)
     pickler.dispatch_table = dict(pickler.dispatch_table)  # this pickler only
@@ -248,6 +296,9 @@ def serialize(obj: Any) -> bytes:
 def _reduce_tensor(t: torch.Tensor):
     from torch.multiprocessing import reductions
 
+    if t.device.type == "cpu":  # moved to shared memory first if it is not there (as torch's reduction does)
+        return rebuild_shared_view, (_shared_name(t), t.untyped_storage().nbytes(), t.dtype, tuple(t.shape), t.stride(),
+                                     t.storage_offset())
     fn, args = reductions.reduce_tensor(t)
     if t.is_cuda:  # argument 6 of rebuild_cuda_tensor is the device index
         args = (*args[:6], str(torch.cuda.get_device_properties(args[6]).uuid), *args[7:])
@@ -361,6 +412,7 @@ class WeightSender:
     def __init__(self) -> None:
         self._groups: dict[str, dist.ProcessGroup] = {}  # distributed path, by group name
         self._buffers = BucketBuffers()  # kept across syncs (host memory)
+        self._peer_mappings = SharedMappings()  # of the sender's buffers, on its TP peers (in-place fill)
         self._same_host: bool | None = None  # every TP rank of this stage on this host (asked on the first sync)
 
     @staticmethod
@@ -439,10 +491,10 @@ class WeightSender:
             if is_owner:
                 sizes = [sum(tensor_bytes(t) for _, t in planned) for planned in buckets]
                 buffers = self._buffers.pair(sizes, torch.device("cpu"))
-            handle = [serialize(buffers) if is_owner else None]
-            dist.broadcast_object_list(handle, src=dist.get_process_group_ranks(tp_group)[senders[0]], group=tp_group)
-            if not is_owner:  # the owner's buffers, mapped for this sync only: a mapping held by a process that is
-                buffers = pickle.loads(handle[0])  # killed later is a reference torch's shm manager never drops
+            names = [[(_shared_name(b), b.numel()) for b in buffers] if is_owner else None]
+            dist.broadcast_object_list(names, src=dist.get_process_group_ranks(tp_group)[senders[0]], group=tp_group)
+            if not is_owner:
+                buffers = [self._peer_mappings.view(name, n) for name, n in names[0]]
             place = functools.partial(place_stage_shards, chunks, hf_config, replicated=is_owner)
             filled = fill_buckets_in_place(place, buckets, buffers, tp_group, meter)
         else:  # gather each tensor to the sender (or to every TP rank when several serialize), then pack it

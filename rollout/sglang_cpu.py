@@ -33,6 +33,10 @@ _NO_NCCL = "/nonexistent/polyturn-cpu-has-no-libnccl.so"  # must not exist: SGLa
 #: Set for SGLang's subprocesses when this module adapted the engine to CPU; `sglang_plugin` acts only then.
 CPU_ENGINE_ENV = "POLYTURN_SGLANG_CPU"
 
+#: How the weight sync's tensor path pickles a host-memory tensor (`megatron_workers.weights.serialize`): by the name
+#: of its shared-memory buffer, which the engine maps once and keeps. The schedulers' safe unpickler must admit it.
+HOST_TENSOR_REBUILD = ("megatron_workers.weights", "rebuild_shared_view")
+
 _CPU_FIXED = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True}
 
 
@@ -67,14 +71,18 @@ def engine_kwargs_for_this_machine(engine_kwargs: dict[str, Any]) -> dict[str, A
 def sglang_plugin() -> None:
     """SGLang general plug-in (entry point group `sglang.srt.plugins`), run by SGLang in each of its processes.
 
-    Acts only in an engine this module adapted to CPU: it defines the hash op of SGLang's seeded sampling and
-    replaces SGLang's batch-invariant mode (Triton kernels, CUDA / XPU only) with `_cpu_batch_invariant_mode`.
+    Acts only in an engine this module adapted to CPU: it defines the hash op of SGLang's seeded sampling,
+    replaces SGLang's batch-invariant mode (Triton kernels, CUDA / XPU only) with `_cpu_batch_invariant_mode`, and
+    lets the scheduler's safe unpickler rebuild the weight sync's host tensors (`HOST_TENSOR_REBUILD`).
     tests/test_deterministic_rollout.py checks that a request's tokens and log-probs then do not depend on the
     batch it shares.
     """
     if os.environ.get(CPU_ENGINE_ENV) != "1":
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.utils.common import SafeUnpickler
+
+    SafeUnpickler.ALLOWED_GLOBALS.add(HOST_TENSOR_REBUILD)
 
     _define_murmur_hash32_cpu()
     HookRegistry.register("sglang.srt.model_executor.model_runner.ModelRunner.maybe_enable_batch_invariant_mode",

@@ -113,6 +113,76 @@ def test_bucket_buffers_are_reused_and_consecutive_syncs_each_deliver_their_weig
     assert sync(5.0) == first
 
 
+def _mappings_of(name: str) -> int:
+    """How many mappings of shared-memory file `name` this process holds (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        return sum(name.lstrip("/") in line for line in f)
+
+
+@pytest.mark.unit
+def test_a_receiver_maps_a_senders_buffer_once_and_drops_the_mapping_once_the_buffer_is_freed():
+    """Host buckets arrive by shared-memory name: the receiving process maps a sender's buffer the first time and
+    reads later buckets in it through the same mapping (a fresh one per bucket costs page faults, then an unmap),
+    at the storage's own bytes (torch keeps a header before them in the file). Once the sender frees the buffer,
+    torch unlinks its file, and the receiver drops its mapping when it next maps a buffer: nothing outlives both."""
+    import pickle
+
+    from megatron_workers.weights import BucketBuffers, serialize
+
+    first, second = BucketBuffers(), BucketBuffers()
+    buf = first.take(0, [4096], torch.device("cpu"))
+    name = buf.untyped_storage()._share_filename_cpu_()[1].decode()
+    for fill in (1.0, 2.0):  # two syncs' buckets in the same buffer
+        buf.view(torch.float32)[:] = fill
+        (got,) = pickle.loads(serialize([buf[64:1088].view(torch.float32).view(16, 16)]))
+        assert torch.equal(got, torch.full((16, 16), fill))
+        if fill == 1.0:
+            ptr = got.untyped_storage().data_ptr()
+        assert got.untyped_storage().data_ptr() == ptr  # the kept mapping
+        del got
+    assert _mappings_of(name) == 2  # the sender's own and the receiver's
+    del first, buf
+    assert _mappings_of(name) == 1  # the receiver's, of the unlinked file
+    other = second.take(0, [4096], torch.device("cpu"))
+    pickle.loads(serialize([other[:8]]))
+    assert _mappings_of(name) == 0
+
+
+def _map_and_wait(name: str, nbytes: int, ready) -> None:
+    """A TP peer: write into the sender's buffer through a kept mapping, then wait to be killed."""
+    from megatron_workers.weights import SharedMappings
+
+    SharedMappings().view(name, nbytes).fill_(7)
+    ready.set()
+    time.sleep(600)
+
+
+@pytest.mark.unit
+def test_a_peer_killed_while_it_maps_the_senders_buffer_leaves_nothing_behind():
+    """A TP peer writes into the sender's bucket buffer through its kept mapping; killed while it holds it, it
+    leaves no reference behind: when the sender frees the buffer, its shared-memory file is gone."""
+    import multiprocessing
+    import os
+
+    from megatron_workers.weights import BucketBuffers
+
+    buffers = BucketBuffers()
+    buf = buffers.take(0, [1 << 16], torch.device("cpu"))
+    name = buf.untyped_storage()._share_filename_cpu_()[1].decode()
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    peer = ctx.Process(target=_map_and_wait, args=(name, buf.numel(), ready))
+    peer.start()
+    try:
+        assert ready.wait(120)
+        assert torch.equal(buf, torch.full_like(buf, 7))  # the peer wrote the storage's bytes, not torch's header
+    finally:
+        peer.kill()
+        peer.join()
+    del buffers, buf
+    assert not os.path.exists(f"/dev/shm/{name.lstrip('/')}")
+
+
 @pytest.mark.unit
 def test_distributed_path_ships_one_pipeline_stage_at_a_time(monkeypatch):
     """Contract: on the distributed path the driver asks the ranks to send one pipeline stage's group at a time (an

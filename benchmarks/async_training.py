@@ -25,6 +25,7 @@ import hashlib
 import json
 import logging
 import re
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -246,6 +247,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if workers.placement is not None:
             workers.placement.shutdown()
         ray.shutdown()
+        shutil.rmtree(out, ignore_errors=True)
     result = {f"{s}_{k}": round(v, 3) for s, f in figures.items() for k, v in f.items() if k != "staleness_bound"}
     result["fully_async_speedup"] = round(figures["fully_async"]["steps_per_h"] / figures["sync"]["steps_per_h"], 3)
     result["staleness_bound"] = figures["fully_async"]["staleness_bound"]

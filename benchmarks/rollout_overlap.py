@@ -25,6 +25,7 @@ import asyncio
 import json
 import logging
 import random
+import shutil
 import tempfile
 import time
 from typing import Any
@@ -198,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         logger.info("turn-synchronous: wall %.2fs", sync_wall)
     finally:
         engine.shutdown()
+        shutil.rmtree(model_dir, ignore_errors=True)
     result = {"wall_s": round(wall, 3), "critical_path_s": round(critical, 3), "turn_sync_wall_s": round(sync_wall, 3)}
     logger.info("w/c = %.3f (goal <= 1.15), s/w = %.3f (goal >= 2)", wall / critical, sync_wall / wall)
     print(json.dumps(result))

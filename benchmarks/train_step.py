@@ -238,11 +238,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     cpu_compat.apply_cpu_compat()  # this process's start (it imports the Megatron worker classes)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(args.threads)
-    os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="polyturn-bench-ray-"))
 
     from recipe.tiny_model import write_tiny_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="polyturn-bench-") as tmp:
+        os.environ.setdefault("RAY_TMPDIR", str(Path(tmp) / "ray"))
         model_dir = write_tiny_checkpoint(
             Path(tmp) / "model", layers=args.layers, hidden=args.hidden, heads=args.heads,
             kv_heads=args.kv_heads, intermediate=args.intermediate, seed=0,

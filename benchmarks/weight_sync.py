@@ -39,6 +39,7 @@ import functools
 import json
 import logging
 import statistics
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -256,6 +257,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if engine is not None:
             engine.shutdown()
         ray.shutdown()
+        shutil.rmtree(root, ignore_errors=True)  # the checkpoint and its disk-sync copy: ~3 GB at full size
     bf, fp = figures["bfloat16"], figures["float32"]
     gbps = {f"{m}_gbps": bf["bytes"] / bf[f"{m}_s"] / 1e9 for m in ("tensor", "distributed")}
     out = {

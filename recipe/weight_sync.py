@@ -48,7 +48,7 @@ class WeightSync:
         """`tensor_senders[i][r][s]`: the global Megatron rank that serializes pipeline stage s's weights for
         engine i's TP rank r (`PlacementPlan.tensor_senders`: the rank on that GPU); None: each stage's first
         rank (TP 0, DP 0) serializes every copy. `disk_dir`: where the disk path writes its checkpoint (default:
-        a fresh temp dir)."""
+        a temp dir made at the first disk sync and overwritten by each)."""
         if mode not in MODES:
             raise ValueError(f"rollout.update_weights_mode={mode!r} is not one of {MODES}")
         if not engines:
@@ -121,7 +121,9 @@ class WeightSync:
         plan = {"bucket_bytes": self.bucket_bytes, "dtype": self.engine_dtype, "checksums": check,
                 "key": f"v{version}-{uuid.uuid4().hex[:8]}", "engines": [e.handle for e in self.engines]}
         if self.mode == "disk":
-            path = self.disk_dir or tempfile.mkdtemp(prefix="polyturn-wsync-")
+            if self.disk_dir is None:  # one directory for every sync, overwritten each time
+                self.disk_dir = tempfile.mkdtemp(prefix="polyturn-wsync-")
+            path = self.disk_dir
             self.group.call_all("export_hf", path)
             t_send = time.perf_counter()
             self._each_engine("update_weights_from_disk", path, weight_version=version)

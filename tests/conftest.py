@@ -3,6 +3,7 @@ session, and disposable HOME/tmp state for Ray, wandb and HF caches."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -21,6 +22,11 @@ os.environ.setdefault("RAY_TMPDIR", str(_SCRATCH / "ray"))
 # Every import and call of a CPU stand-in, in any process of the session, is recorded here.
 STANDIN_LOG = _SCRATCH / "standin_events.log"
 os.environ["POLYTURN_STANDIN_LOG"] = str(STANDIN_LOG)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The session's scratch goes with it (Ray's session logs, wandb's offline runs: megabytes per session)."""
+    shutil.rmtree(_SCRATCH, ignore_errors=True)
 
 
 def pytest_configure(config: pytest.Config) -> None:

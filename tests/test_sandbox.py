@@ -258,35 +258,41 @@ def test_allocating_4gb_fails_with_memory_error(isolation, python_runner):
     assert_later_calls_work(runner)
 
 
+_FORK_HOOK_LOG: list[str] = []  # where `_after_fork_in_child` marks a child (empty: hook off)
+
+
+def _after_fork_in_child() -> None:
+    if _FORK_HOOK_LOG:
+        os.close(os.open(f"{_FORK_HOOK_LOG[0]}.{os.getpid()}", os.O_CREAT | os.O_WRONLY, 0o600))
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)  # once per process: hooks cannot be unregistered
+
+
 @pytest.mark.unit
 @pytest.mark.parametrize("isolation", MODES)
-def test_limits_are_set_by_exec_not_by_python_between_fork_and_exec(isolation, python_runner, monkeypatch):
-    """Containment without a preexec function: the code sees exactly the configured limits and no supplementary
-    groups, set by `prlimit` / `setpriv` in the exec chain. Python code run between fork and exec in this (threaded)
-    process can wait forever on a lock another thread held at the fork: a GSM8K run hung so, its sandbox child
-    stuck before exec, until the limits moved out of the child."""
-    import asyncio
-
-    real = asyncio.create_subprocess_exec
-    seen: list[dict] = []
-
-    async def spawn(*argv, **kwargs):
-        seen.append(kwargs)
-        return await real(*argv, **kwargs)
-
-    monkeypatch.setattr(asyncio, "create_subprocess_exec", spawn)
-    runner = python_runner(isolation, cpu_time_s=3)
-    code = ("import os, resource as r\n"
-            "print([r.getrlimit(getattr(r, 'RLIMIT_' + k)) for k in ('CPU', 'AS', 'FSIZE', 'NPROC', 'NOFILE', 'CORE')])\n"
-            "print('GROUPS', os.getgroups())")
-    result = run_code(runner, code)
+def test_limits_are_set_by_exec_and_no_python_runs_between_fork_and_exec(isolation, python_runner, tmp_path):
+    """Containment without Python code in the forked child: the code sees exactly the configured limits and no
+    supplementary groups, set by `prlimit` / `setpriv` in the exec chain, and no at-fork hook of this process
+    ever ran in a sandbox's child. Python code run between fork and exec in this (threaded) process can wait
+    forever on a lock another thread held at the fork: GSM8K runs hung so, first with a preexec function, then
+    in uvloop's spawn, which runs `PyOS_AfterFork_Child` (and with it these hooks) in every child it forks."""
+    _FORK_HOOK_LOG[:] = [str(tmp_path / "forked")]
+    try:
+        runner = python_runner(isolation, cpu_time_s=3)
+        code = ("import os, resource as r\n"
+                "print([r.getrlimit(getattr(r, 'RLIMIT_' + k)) for k in ('CPU', 'AS', 'FSIZE', 'NPROC', 'NOFILE', 'CORE')])\n"
+                "print('GROUPS', os.getgroups())")
+        result = run_code(runner, code)
+    finally:
+        _FORK_HOOK_LOG.clear()
     mb = 1024 * 1024
     open_files = SandboxLimits().max_open_files  # the fixture's config: CPU 3 s, 512 MB, 4 MB files, 32 processes
     expected = [(3, 4), (512 * mb,) * 2, (4 * mb,) * 2, (32,) * 2, (open_files,) * 2, (0, 0)]
     assert str([tuple(x) for x in expected]) in result.text, result.text
     if AS_ROOT:
         assert "GROUPS []" in result.text
-    assert seen and all("preexec_fn" not in kwargs for kwargs in seen)
+    assert list(tmp_path.glob("forked.*")) == [], "Python ran in a forked child before its exec"
 
 
 @pytest.mark.integration

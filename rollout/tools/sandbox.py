@@ -61,6 +61,8 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from rollout.tools.child_process import ChildProcess, PipeReader, spawn
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_UID_RANGE = (1_000_000, 1_000_000_000)  # uids with no passwd entry, one drawn per run
@@ -195,7 +197,7 @@ class SandboxResult:
 class SandboxWorker:
     """One started sandbox whose interpreter waits for code; used for one run, then killed."""
 
-    proc: asyncio.subprocess.Process | None  # the sandbox's process (group leader); None until started
+    proc: ChildProcess | None  # the sandbox's process (group leader); None until started
     uid: int | None  # the unprivileged uid it runs as (None: privileges not dropped)
     workdir: str | None  # its host work dir (rlimits_unsafe only), removed with it
     released: bool = False  # its uid and work dir are freed (at most once: the uid may be drawn again after)
@@ -387,15 +389,7 @@ class Sandbox:
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir or "/tmp"}
         worker = SandboxWorker(None, uid, workdir)
         try:
-            worker.proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                cwd=cwd,
-                env=env,
-                start_new_session=True,
-            )
+            worker.proc = await spawn(argv, cwd=cwd, env=env)  # no Python between fork and exec
             # The interpreter writes one byte when it is ready for code (see _RUN_PRELUDE).
             await asyncio.wait_for(worker.proc.stdout.readexactly(1), self.limits.wall_timeout_s)
         except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
@@ -417,7 +411,7 @@ class Sandbox:
         try:
             if worker.proc is not None:
                 _kill_group(worker.proc.pid)
-                worker.proc.stdin.close()  # with every pipe closed, the transport closes on its loop
+                worker.proc.stdin.close()
                 await worker.proc.wait()
                 stderr, _, _ = await asyncio.wait_for(
                     _read_output(worker.proc.stderr, self.limits.max_output_bytes), 2.0)
@@ -442,9 +436,7 @@ class Sandbox:
             return
         worker.released = True
         if worker.proc is not None:
-            # Closed here, on its loop: one collected after its loop closed (a pool's, an `asyncio.run`'s)
-            # raises from `__del__`.
-            worker.proc._transport.close()  # noqa: SLF001 - asyncio.subprocess.Process has no public close
+            worker.proc.close()  # here, on its loop: the pipes are watched by it
         self._uids_in_use.discard(worker.uid)
         if worker.workdir:
             shutil.rmtree(worker.workdir, ignore_errors=True)
@@ -475,7 +467,7 @@ class Sandbox:
             if finish or not ended:
                 await self.finish(worker)
 
-    async def _run(self, proc: asyncio.subprocess.Process, code: str, start: float,
+    async def _run(self, proc: ChildProcess, code: str, start: float,
                    uid: int | None) -> tuple[SandboxResult, bool]:
         """The result, and whether the code ended with the process left alive (True) or the process was killed
         and reaped (False: a limit, a signal, `os._exit`, the timeout, or the sandbox died)."""
@@ -488,9 +480,8 @@ class Sandbox:
         try:
             encoded = code.encode("utf-8", "surrogatepass")
             try:
-                proc.stdin.write(b"%s %d\n%s" % (token, len(encoded), encoded))
-                await proc.stdin.drain()
-            except (BrokenPipeError, ConnectionResetError):
+                await proc.stdin.write(b"%s %d\n%s" % (token, len(encoded), encoded))
+            except BrokenPipeError:
                 pass
             # The wall clock counts from the call: a cold run's start is part of it.
             remaining = max(self.limits.wall_timeout_s - (time.monotonic() - start), 0.0)
@@ -551,7 +542,7 @@ class Sandbox:
         return notes
 
 
-async def _read_output(stream: asyncio.StreamReader, cap: int, end: bytes = b"",
+async def _read_output(stream: PipeReader, cap: int, end: bytes = b"",
                        suffix: int = 0) -> tuple[bytes, bool, bytes | None]:
     """Read `stream` up to `end` and the `suffix` bytes after it (to end-of-file when `end` is empty or never
     comes), keeping the first `cap` bytes before it. Returns what was kept, whether more came, and the

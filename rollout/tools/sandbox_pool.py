@@ -12,10 +12,10 @@ The upkeep (killing used workers, which wait blocked until then, and starting re
 `_STARTS_AT_ONCE` at a time) runs when no call is running, or `_QUIET_WAIT_S` after it was needed at the
 latest: a burst of calls does not share the CPU with its own teardown and refill.
 
-The pool owns its processes from one uvloop event loop in its own thread, so callers may come from any
-loop (asyncio or uvloop, one `asyncio.run` after another) and cancelling a call kills its sandbox as it does
-on the cold path. uvloop, not asyncio's loop: its subprocess pipes cost about half the CPU per call, and at
-64 calls at once on 2 cores that CPU is the latency. `close()` kills every worker and ends the thread. A
+The pool owns its processes from one event loop in its own thread (asyncio's: the sandboxes' pipes are
+watched as raw descriptors, `rollout.tools.child_process`, and uvloop measured no faster at 64 calls at once),
+so callers may come from any loop (asyncio or uvloop, one `asyncio.run` after another) and cancelling a call
+kills its sandbox as it does on the cold path. `close()` kills every worker and ends the thread. A
 worker that outlives its owner (the host process killed) reads end-of-file on its stdin and exits: an idle
 one before running anything, a used one when its code has ended.
 
@@ -30,8 +30,6 @@ import logging
 import threading
 import time
 from pathlib import Path
-
-import uvloop
 
 from rollout.tools.sandbox import Sandbox, SandboxResult, SandboxStartError, SandboxWorker
 
@@ -69,7 +67,7 @@ class SandboxPool:
                 raise RuntimeError("sandbox pool is closed; build a new tool (and pool) to run more code")
             if self._thread is not None:
                 return
-            self._loop = uvloop.new_event_loop()
+            self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self._loop.run_forever, name="sandbox-pool", daemon=True)
             self._thread.start()
         self._loop.call_soon_threadsafe(self._upkeep_soon)

@@ -38,8 +38,8 @@ import argparse
 import functools
 import json
 import logging
-import statistics
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path

@@ -12,8 +12,11 @@ from pathlib import Path
 
 import pytest
 
-# Disposable state: tests never touch the user's home.
-_SCRATCH = Path(tempfile.mkdtemp(prefix="polyturn-tests-"))
+# Disposable state: tests never touch the user's home. One scratch per session: the processes it starts that
+# import this module (Ray workers unpickling test code) use the session's, which the session removes at its end.
+_OWN_SCRATCH = "POLYTURN_TEST_SCRATCH" not in os.environ
+_SCRATCH = Path(os.environ.get("POLYTURN_TEST_SCRATCH") or tempfile.mkdtemp(prefix="polyturn-tests-"))
+os.environ["POLYTURN_TEST_SCRATCH"] = str(_SCRATCH)
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_DIR", str(_SCRATCH / "wandb"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -26,7 +29,8 @@ os.environ["POLYTURN_STANDIN_LOG"] = str(STANDIN_LOG)
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     """The session's scratch goes with it (Ray's session logs, wandb's offline runs: megabytes per session)."""
-    shutil.rmtree(_SCRATCH, ignore_errors=True)
+    if _OWN_SCRATCH:
+        shutil.rmtree(_SCRATCH, ignore_errors=True)
 
 
 def pytest_configure(config: pytest.Config) -> None:

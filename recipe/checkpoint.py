@@ -7,6 +7,8 @@ One checkpoint under `trainer.default_local_dir` (verl's names):
     global_step_<k>/critic/              the critic group's, when the run has a critic
     global_step_<k>/trainer_state.json   `TrainerState`: step, weight version, KL coefficient, prompt position,
                                          wandb run id
+    global_step_<k>/*.pkl                what the schedule keeps between steps (recipe.schedules: one_step_off's
+                                         next rollout, fully_async's groups finished or in flight)
     latest_checkpointed_iteration.txt    the step of the newest COMPLETE checkpoint
 
 `save` writes everything into `.tmp_global_step_<k>/`, renames it to `global_step_<k>/` (one rename on one
@@ -24,11 +26,13 @@ import dataclasses
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +115,33 @@ def save(root: str | Path, step: int, write: Callable[[Path], None], max_keep: i
             shutil.rmtree(step_dir(root, old))
             logger.info("removed checkpoint %s (trainer.max_actor_ckpt_to_keep=%d)", step_dir(root, old), max_keep)
     return final
+
+
+def save_run(root: str | Path, state: TrainerState, groups: dict[str, Any], files: dict[str, Any],
+             max_keep: int | None = None) -> Path:
+    """`save` step `state.step`: each Megatron group's shards in `<name>/` (`groups`: name -> worker group), each
+    object of `files` pickled under its file name, and the trainer state."""
+    def write(directory: Path) -> None:
+        for name, group in groups.items():
+            group.call_all("save_checkpoint", str(directory / name))
+        for name, obj in files.items():
+            (directory / name).write_bytes(pickle.dumps(obj))
+        state.write(directory)
+
+    return save(root, state.step, write, max_keep)
+
+
+def load_run(directory: str | Path, groups: dict[str, Any]) -> tuple[TrainerState, dict[str, Any]]:
+    """What `save_run` wrote: each group restored from its shards, and (the trainer state, {file name: object})."""
+    directory = Path(directory)
+    state = TrainerState.read(directory)
+    for name, group in groups.items():
+        if not (directory / name).is_dir():
+            raise FileNotFoundError(f"{directory} holds no {name} checkpoint, but this run has a {name}; resume with "
+                                    "the algorithm the checkpoint was trained with")
+        group.call_all("load_checkpoint", str(directory / name))
+    files = {p.name: pickle.loads(p.read_bytes()) for p in sorted(directory.glob("*.pkl"))}
+    return state, files
 
 
 def resume_dir(mode: str, root: str | Path, resume_from_path: str | None) -> Path | None:

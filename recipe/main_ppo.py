@@ -45,7 +45,9 @@ from recipe.memory_plan import check_memory, driver_gpu_bytes
 from recipe.placement import Placement, PlacementPlan, plan_placement
 from recipe.reward import RewardFn
 from recipe.tracking import Tracking
-from recipe.trainer import RunFailed, Trainer, Workers, move_megatron_state
+from recipe.colocation import move_megatron_state
+from recipe.engine_faults import RunFailed
+from recipe.trainer import Trainer, Workers
 from recipe.validation import Validator, validation_loop
 from rollout.plugins import PluginConfigError
 

@@ -15,27 +15,29 @@ on how stale a trained token may be.
   `async_training.staleness_bound`) is enforced on each group's oldest token when it is taken: past it, the group
   is dropped or its prompt rolled out again (`stale_policy`), and counted.
 
-`recipe.trainer.Trainer.fit` drives them; `within_staleness` enforces the bound on each step's trajectories.
+The schedules differ only in how they feed `recipe.trainer.Trainer.step` (`collect`) and when it syncs (`syncs`,
+`before_sync`, `after_sync`); `within_staleness` enforces the bound on each step's trajectories. The background
+rollouts themselves are in `recipe.rollouter`.
 
 Departs from verl's fully async trainer: staleness is bounded on tokens (each carries the version that sampled
-it), not only by how far the rollouter runs ahead; the rollouter shares the trainer's process and event loop (one
-agent loop, one router), not a Ray actor of its own.
+it), not only by how far the rollouter runs ahead.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
-import queue
-import threading
+import math
 import time
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from rollout.agent_loop import AgentLoop, RolloutPrompt
+from recipe.config_schema import PPOConfig
+from recipe.engine_faults import RunFailed
+from recipe.group_filter import trainable
+from recipe.rollouter import RolloutAhead, RolloutStopped, StreamingRollouter
+from recipe.rollouts import Collected, Draw, Rollouts
+from rollout.agent_loop import rollout_metrics
 from rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -63,199 +65,166 @@ def within_staleness(trajs: list[Trajectory], actor_version: int, bound: int,
                   "rollout/staleness/bound": float(bound), "rollout/staleness/dropped": float(len(trajs) - len(kept))}
 
 
-class RolloutAhead:
-    """At most one rollout running in a background thread (one_step_off's next step) while the caller trains."""
+class SyncSchedule:
+    """sync: each step rolls out its own prompts, trains, and syncs after every actor update."""
 
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-ahead")
-        self._future: Future | None = None
+    def __init__(self, cfg: PPOConfig, rollouts: Rollouts, total_steps: int, actor_version: Callable[[], int]) -> None:
+        """`actor_version()`: the actor's weight version, counting updates not synced yet."""
+        self.cfg, self.rollouts, self.total_steps, self.actor_version = cfg, rollouts, total_steps, actor_version
 
-    @property
-    def pending(self) -> bool:
-        """A rollout was started and not joined yet."""
-        return self._future is not None
+    def collect(self, step: int, draw: Draw) -> Collected:
+        """Step `step`'s rollout, drawing prompt batches from `draw`."""
+        return self.rollouts.collect(draw(), step, draw)
 
-    def start(self, collect: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        """Run `collect(*args, **kwargs)` in the background thread."""
-        assert self._future is None, "one rollout ahead at a time"
-        self._future = self._pool.submit(collect, *args, **kwargs)
+    def syncs(self, step: int) -> bool:
+        """Whether step `step` ends with a weight sync (when it updated the actor)."""
+        return True
 
-    def join(self) -> Any:
-        """Wait for the rollout; its result (or its exception)."""
-        future, self._future = self._future, None
-        return future.result()
+    def before_sync(self) -> None:
+        """Let a weight sync happen: the rollout in flight waits for it, or is waited for."""
 
-    def abort(self, agent_loop: Any, loop: asyncio.AbstractEventLoop) -> None:
-        """The caller failed while the rollout runs: abort it on its event loop (tools released, interactions
-        finalized) and wait for it to end."""
-        if self._future is None:
-            return
-        if not self._future.done():
-            asyncio.run_coroutine_threadsafe(agent_loop.abort(), loop)
-        try:
-            self.join()
-        except Exception:  # noqa: BLE001 - the caller's own error is the one raised
-            logger.exception("the rollout ahead failed while it was aborted")
+    def after_sync(self) -> None:
+        """The weight sync is done: the rollout in flight goes on."""
+
+    def step_done(self) -> None:
+        """The step trained or was skipped; nothing of its rollout is still running."""
+
+    def snapshot(self, cursor: Callable[[], Any]) -> tuple[dict[str, Any], Any]:
+        """For a checkpoint: {file name: what the schedule keeps between steps} and `cursor()` read where prompt
+        batches are drawn."""
+        return {}, cursor()
+
+    def restore(self, files: dict[str, Any]) -> None:
+        """Before the first step of a resumed run: what `snapshot` saved (by file name)."""
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Stop what runs in the background (after an error too: aborted, tools released)."""
 
 
-class RolloutStopped(RuntimeError):
-    """The streaming rollouter ended (its prompts ran out, or it failed) while the trainer waited for a group."""
+class OneStepOff(SyncSchedule):
+    """one_step_off: step k+1's prompts roll out in a background thread while step k trains; the weight sync waits
+    for that rollout, which step k+1 then trains on."""
+
+    FILE = "rollout_ahead.pkl"  # in a checkpoint: the next step's rollout, done (a pickled Collected)
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.pool = RolloutAhead()
+        self.done: Collected | None = None  # the next step's rollout, finished
+
+    def collect(self, step: int, draw: Draw) -> Collected:
+        collected, self.done = self.done or self.rollouts.collect(draw(), step, draw), None
+        if step < self.total_steps:
+            self.pool.start(self.rollouts.collect, draw(), step + 1, draw, ahead=True)
+        return collected
+
+    def before_sync(self) -> None:
+        """Wait for the rollout ahead, then restart the dead engines (which the background rollout leaves to this
+        thread: a restart syncs weights from the actor)."""
+        if self.pool.pending:
+            self.done = self.pool.join()
+            self.rollouts.faults.heal()
+
+    def step_done(self) -> None:
+        self.before_sync()  # a step that synced nothing (skipped, or critic warm-up) joins here
+
+    def snapshot(self, cursor: Callable[[], Any]) -> tuple[dict[str, Any], Any]:
+        return ({self.FILE: self.done} if self.done is not None else {}), cursor()
+
+    def restore(self, files: dict[str, Any]) -> None:
+        self.done = files.get(self.FILE)
+
+    def close(self) -> None:
+        self.pool.abort(self.rollouts.agent_loop, self.rollouts.loop)
+        self.pool.close()
 
 
-class StreamingRollouter:
-    """fully_async's rollouter: prompt groups rolled out one after another on `loop`, run by a thread of its own.
+class FullyAsync(SyncSchedule):
+    """fully_async: a streaming rollouter keeps the engines full while each step trains on the first groups to finish;
+    the weights are synced every `trigger_parameter_sync_step` steps (and before a checkpoint)."""
 
-    At most `capacity` groups are started and not yet taken; `take` hands the trainer the finished groups in the
-    order they finish, and frees their slots. `pause` / `resume` bracket a weight sync (the generations in flight are
-    paused and continue on the new weights), `drain` / `resume` one without partial rollouts (no group starts, and
-    the started ones finish, first). Prompts come from the batches `next_batch` draws, after those given to
-    `requeue` (a group rolled out again, or the work in flight at a checkpoint)."""
+    FILE = "stream.pkl"  # in a checkpoint: (finished groups not taken, prompts in flight or drawn)
 
-    def __init__(self, agent_loop: AgentLoop, loop: asyncio.AbstractEventLoop,
-                 next_batch: Callable[[], list[RolloutPrompt]], capacity: int, seed: int | None = None) -> None:
-        self.agent_loop, self.loop, self.capacity, self.seed = agent_loop, loop, capacity, seed
-        self._next_batch = next_batch
-        self._drawn: deque[RolloutPrompt] = deque()  # the rest of the last batch drawn
-        self._first: deque[RolloutPrompt] = deque()  # rolled out before new prompts
-        self._inflight: dict[str, RolloutPrompt] = {}  # prompt uid -> prompt, started and not finished
-        self._finished: queue.Queue[tuple[RolloutPrompt, list[Trajectory]]] = queue.Queue()
-        self._outstanding = 0  # groups started and not taken
-        self._admitting = True  # false while draining for a sync, and once stopped
-        self._stopped = False
-        self._wake = asyncio.Event()  # set when a slot frees, a group finishes, or the trainer asks something
-        self._tasks: set[asyncio.Task] = set()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._serve, name="rollouter", daemon=True)
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.stream: StreamingRollouter | None = None  # started by the first `collect`
+        self.restored: tuple | None = None  # what a checkpoint saved of the stream
 
-    # ---- the trainer's side (its thread) --------------------------------------------------------
+    def collect(self, step: int, draw: Draw) -> Collected:
+        if self.stream is None:
+            a = self.cfg.async_training
+            capacity = math.ceil((1 + a.staleness_threshold) * a.trigger_parameter_sync_step *
+                                 self.cfg.data.train_batch_size)
+            self.stream = StreamingRollouter(self.rollouts.agent_loop, self.rollouts.loop, lambda: draw().prompts,
+                                             capacity, seed=self.rollouts.seed(0))
+            if self.restored is not None:
+                self.stream.restore(*self.restored)
+            self.stream.start()
+        return self._take(step)
 
-    def start(self) -> None:
-        self._thread.start()
+    def syncs(self, step: int) -> bool:
+        t, every = self.cfg.trainer, self.cfg.async_training.trigger_parameter_sync_step
+        saves = t.save_freq > 0 and step % t.save_freq == 0
+        return saves or step == self.total_steps or step % every == 0
 
-    def take(self, timeout_s: float | None, check: Callable[[], None] = lambda: None) -> tuple[RolloutPrompt,
-                                                                                            list[Trajectory]]:
-        """The next finished group (prompt, its trajectories), waiting at most `timeout_s` (None: no limit); its
-        slot is freed. `check` runs while waiting (it raises to stop the wait)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            check()
+    def before_sync(self) -> None:
+        """The engines idle (generations paused, or the started groups finished), and the dead ones restarted."""
+        if self.cfg.async_training.partial_rollout:
+            self.stream.pause()
+        else:
+            self.stream.drain()
+        self.rollouts.faults.heal()
+
+    def after_sync(self) -> None:
+        self.stream.resume()
+
+    def snapshot(self, cursor: Callable[[], Any]) -> tuple[dict[str, Any], Any]:
+        if self.stream is None:
+            return ({self.FILE: self.restored} if self.restored is not None else {}), cursor()
+        state, position = self.stream.snapshot(cursor)  # read on the rollouter's loop, where it draws prompts
+        return {self.FILE: state}, position
+
+    def restore(self, files: dict[str, Any]) -> None:
+        self.restored = files.get(self.FILE)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.stop()
+            self.stream = None
+
+    def _take(self, step: int) -> Collected:
+        """The next `data.train_batch_size` finished groups within the staleness bound (past it: dropped, or rolled
+        out again) and, under dynamic sampling, with a signal."""
+        a, groups, faults = self.cfg.async_training, self.rollouts.groups, self.rollouts.faults
+        actor_version, rolled, kept = self.actor_version(), [], []
+        counts = {"stale": 0, "regenerated": 0, "filtered": 0, "taken": 0}
+        t0 = time.monotonic()
+        while len(kept) < groups.want:
+            if groups.enabled and groups.exhausted(counts["taken"] / groups.want):
+                raise groups.too_uniform(step, len(kept), counts["taken"] / groups.want)
             try:
-                group = self._finished.get(timeout=0.2)
-                break
-            except queue.Empty:
-                if self._error is not None or not self._thread.is_alive():
-                    raise RolloutStopped(f"the rollouter stopped: {self._error!r}") from self._error
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"no prompt group finished within trainer.rollout_timeout_s={timeout_s}")
-        self._call_soon(self._release)
-        return group
+                prompt, group = self.stream.take(self.cfg.trainer.rollout_timeout_s, check=faults.raise_if_fatal)
+            except (RolloutStopped, TimeoutError) as e:
+                raise RunFailed(f"step {step}: {e}; stopping the run") from e
+            counts["taken"] += 1
+            rolled += group
+            if any(staleness(x, actor_version) > a.bound for x in group):
+                counts["regenerated" if a.stale_policy == "regenerate" else "stale"] += 1
+                if a.stale_policy == "regenerate":
+                    self.stream.requeue([prompt])
+            elif groups.keeps(group):
+                kept.append(group)
+            else:
+                counts["filtered"] += 1
+        metrics = {**rollout_metrics(rolled), "timing/wait_groups_s": time.monotonic() - t0,
+                   "rollout/staleness/dropped_groups": float(counts["stale"]),
+                   "rollout/staleness/regenerated_groups": float(counts["regenerated"]),
+                   "rollout/staleness/taken_mean": sum(staleness(x, actor_version) for x in rolled) / len(rolled)}
+        if groups.enabled:
+            metrics.update(groups.metrics(len(kept), counts["filtered"], counts["taken"] / groups.want))
+        trajs = trainable([t for group in kept for t in group], self.rollouts.row_multiple)
+        return Collected(rolled, trajs, metrics, ahead=True)
 
-    def requeue(self, prompts: list[RolloutPrompt]) -> None:
-        """Roll these prompts out (again) before any new one."""
-        self._call_soon(lambda: (self._first.extend(prompts), self._wake.set()))
 
-    def pause(self) -> None:
-        """Pause the generations in flight (their trajectories keep what they sampled); returns when the engines
-        are idle."""
-        self._run(self.agent_loop.router.pause())
-
-    def drain(self) -> None:
-        """Start no group, and wait for the started ones to finish."""
-        self._run(self._drain())
-
-    def resume(self) -> None:
-        """After `pause` or `drain`: generations continue (on the new weights) and groups start again."""
-        self._call_soon(self._resume)
-
-    def snapshot(self, read: Callable[[], Any]) -> tuple[tuple[list[tuple[RolloutPrompt, list[Trajectory]]],
-                                                              list[RolloutPrompt]], Any]:
-        """For a checkpoint: (the finished groups not taken yet, the prompts in flight or drawn and not started: a
-        resumed run rolls them out first), and `read()`, called on the loop (where batches are drawn)."""
-        return self._run(self._snapshot(read))
-
-    def restore(self, finished: list[tuple[RolloutPrompt, list[Trajectory]]], pending: list[RolloutPrompt]) -> None:
-        """Before `start`: what `snapshot` saved."""
-        for group in finished:
-            self._finished.put(group)
-        self._outstanding = len(finished)
-        self._first.extend(pending)
-
-    def stop(self) -> None:
-        """Abort the groups in flight (tools released, interactions finalized) and end the thread."""
-        if self._thread.is_alive():
-            self._call_soon(self._stop)
-            self._thread.join()
-
-    # ---- the loop's side ------------------------------------------------------------------------
-
-    def _serve(self) -> None:
-        try:
-            self.loop.run_until_complete(self._main())
-        except BaseException as e:  # noqa: BLE001 - handed to the trainer by `take`
-            logger.exception("the rollouter failed")
-            self._error = e
-
-    async def _main(self) -> None:
-        while not self._stopped:
-            while self._admitting and self._outstanding < self.capacity:
-                if not self._first and not self._drawn:
-                    self._drawn.extend(self._next_batch())
-                prompt = (self._first or self._drawn).popleft()
-                self._outstanding += 1
-                self._inflight[prompt.uid] = prompt
-                task = asyncio.ensure_future(self._group(prompt))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-            self._wake.clear()
-            await self._wake.wait()
-        if self._tasks:
-            await self.agent_loop.abort()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def _group(self, prompt: RolloutPrompt) -> None:
-        try:
-            trajs = await self.agent_loop.generate([prompt], seed=self.seed, progress=False)
-        except Exception as e:  # noqa: BLE001 - a prompt the loop refuses: handed to the trainer by `take`
-            logger.exception("prompt %s could not be rolled out", prompt.uid)
-            self._error = e
-            return
-        if self._stopped:
-            return
-        del self._inflight[prompt.uid]
-        self._finished.put((prompt, trajs))
-        self._wake.set()
-
-    def _release(self) -> None:
-        self._outstanding -= 1
-        self._wake.set()
-
-    async def _drain(self) -> None:
-        self._admitting = False
-        while self._inflight and not self._stopped:
-            self._wake.clear()
-            await self._wake.wait()
-
-    def _resume(self) -> None:
-        self.agent_loop.router.resume()
-        self._admitting = True
-        self._wake.set()
-
-    async def _snapshot(self, read: Callable[[], Any]) -> Any:
-        return (list(self._finished.queue), [*self._first, *self._inflight.values(), *self._drawn]), read()
-
-    def _stop(self) -> None:
-        self._stopped, self._admitting = True, False
-        self.agent_loop.router.resume()  # a paused request would wait for ever
-        self._wake.set()
-
-    def _call_soon(self, fn: Callable[[], Any]) -> None:
-        self.loop.call_soon_threadsafe(fn)
-
-    def _run(self, coro: Any) -> Any:
-        if not self._thread.is_alive():
-            coro.close()
-            raise RolloutStopped(f"the rollouter stopped: {self._error!r}") from self._error
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+SCHEDULES: dict[str, type[SyncSchedule]] = {"sync": SyncSchedule, "one_step_off": OneStepOff,
+                                            "fully_async": FullyAsync}

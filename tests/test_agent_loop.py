@@ -626,7 +626,7 @@ def test_over_sampling_aborts_the_slowest_and_still_releases(tokenizer):
     the engine, waiting on a tool, or on a simulated user) are cancelled and their engine requests aborted; they end
     `over_sampled`, never `aborted`; tools created == released and interactions started == finalized; the trainer
     leaves them out. Without the rate the same rollout waits for every trajectory; `abort()` still means aborted."""
-    from recipe.trainer import trainable
+    from recipe.group_filter import trainable
 
     slow_tool = FaultyTool("sleepy", "hang", timeout_s=60)
     user = HungUser({"name": "slow"})

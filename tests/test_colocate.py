@@ -6,6 +6,7 @@ real `Trainer.step`; on GPUs the same calls run.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -183,8 +184,8 @@ def test_colocated_step_takes_turns_on_the_gpus_in_order(tmp_path):
     on every engine and every Megatron role (the workers arrive offloaded: next test)."""
     trainer, events = make_trainer(tmp_path, OFFLOAD, colocated=True)
     assert events == []
-    trainer.step(prompts(), 1)
-    trainer.step(prompts(), 2)
+    trainer.step(1, prompts)
+    trainer.step(2, prompts)
     step = ["rollout", "release", "onload", "train", "offload", "resume['weights']", "sync v{}",
             "resume['kv_cache', 'cuda_graph']"]
     assert phases(events) == [p.format(1) for p in step] + [p.format(2) for p in step]
@@ -199,17 +200,18 @@ def test_colocated_engines_get_their_weights_back_in_critic_warmup_steps(tmp_pat
     """Contract: colocated engines released their weights for training (SGLang keeps no copy), so a step that does
     not update the actor (trainer.critic_warmup) still syncs the unchanged weights into them before they serve."""
     trainer, events = make_trainer(tmp_path, OFFLOAD + ["trainer.critic_warmup=2"], colocated=True)
-    trainer.step(prompts(), 1)
+    trainer.step(1, prompts)
     assert "actor.update_policy" not in events and "critic.update_critic" in events
     assert phases(events)[-3:] == ["resume['weights']", "sync v0", "resume['kv_cache', 'cuda_graph']"]
     trainer.close()
 
 
 @pytest.mark.unit
-def test_an_engine_restarted_mid_step_releases_what_the_others_released(tmp_path):
-    """Contract: when the sync finds an engine dead, the restarted engine (all its memory resident) releases the KV
-    cache and CUDA graphs the other colocated engines hold released, so the step's last resume finds them released
-    on every engine (SGLang kills an engine asked to resume memory it never released)."""
+def test_a_sync_that_finds_an_engine_dead_probes_with_the_kv_cache_back_and_restarts_only_that_one(tmp_path):
+    """Contract: when the sync fails with an engine dead, the colocated engines get their KV cache back before the
+    health probe (which generates a token: into released KV memory it would fail on every engine, restarting them
+    all); only the dead engine is restarted, holding all its memory like the others, then every engine is synced,
+    and the step's last resume has nothing left to resume."""
     trainer, events = make_trainer(tmp_path, OFFLOAD, colocated=True)
     sync, router = trainer.workers.weight_sync, trainer.agent_loop.router
     first = {"failed": False}
@@ -218,18 +220,40 @@ def test_an_engine_restarted_mid_step_releases_what_the_others_released(tmp_path
         if not first["failed"]:
             first["failed"] = True
             router.dead = {1: "engine1 died"}
+            events.append("sync failed")
             raise RuntimeError("engine1 died mid-sync")
         events.append(f"sync v{version}")
         return {"weight_sync/seconds": 0.0}
 
+    async def probe(timeout_s: float) -> None:
+        events.append(f"probe, released: {sorted(trainer.handover.released)}")
+
     sync.sync = failing_sync
-    router.engines = trainer.workers.engines
+    router.engines, router.probe = trainer.workers.engines, probe
     router.revive = lambda idx: router.dead.pop(idx)
-    trainer.engine_restarts = [0, 0]
-    trainer.step(prompts(), 1)
-    tail = events[events.index("engine1.restart"):]
-    assert tail == ["engine1.restart", "engine1.release['cuda_graph', 'kv_cache']", "sync v1",
-                    "engine0.resume['kv_cache', 'cuda_graph']", "engine1.resume['kv_cache', 'cuda_graph']"]
+    trainer.faults.restarts = [0, 0]
+    trainer.step(1, prompts)
+    tail = events[events.index("sync failed") + 1:]
+    assert sorted(tail[:2]) == ["engine0.resume['kv_cache', 'cuda_graph']", "engine1.resume['kv_cache', 'cuda_graph']"]
+    assert tail[2:] == ["probe, released: []", "engine1.restart", "sync v1"]
+    assert trainer.faults.restarts == [0, 1]
+    trainer.close()
+
+
+@pytest.mark.unit
+def test_engines_release_and_resume_their_memory_at_once(tmp_path):
+    """Contract: every engine's release / resume (each a device synchronize and a remap of tens of GB on a GPU) runs
+    at the same time as the others', not engine after engine: here each call waits for the other engine's."""
+    trainer, events = make_trainer(tmp_path, OFFLOAD, colocated=True)
+    barrier = threading.Barrier(len(trainer.workers.engines), timeout=10)
+    for engine in trainer.workers.engines:
+        for method in ("release_memory_occupation", "resume_memory_occupation"):
+            def together(tags=None, _call=getattr(engine, method)) -> None:
+                barrier.wait()  # BrokenBarrierError after 10 s when the engines are called one after another
+                _call(tags)
+            setattr(engine, method, together)
+    trainer.step(1, prompts)
+    assert sum(e.startswith(("engine0.release", "engine0.resume")) for e in events) == 3
     trainer.close()
 
 
@@ -320,7 +344,7 @@ def test_separate_placement_never_releases_engines_and_offload_off_never_moves_s
     """Contract: engines on their own GPUs keep their memory (no release / resume), and with no
     `*_offload` key set the Megatron state is never moved; the step still trains then syncs."""
     trainer, events = make_trainer(tmp_path, [k.replace("=true", "=false") for k in OFFLOAD], colocated=False)
-    trainer.step(prompts(), 1)
+    trainer.step(1, prompts)
     assert phases(events) == ["rollout", "train", "sync v1"]
     trainer.close()
     assert events[-5:] == ["actor.shutdown", "ref.shutdown", "critic.shutdown", "engine0.shutdown", "engine1.shutdown"]
@@ -334,7 +358,7 @@ def test_deterministic_rollouts_are_seeded_by_trainer_seed_and_step_only(tmp_pat
         (tmp_path / name).mkdir()
         trainer, _ = make_trainer(tmp_path / name, list(overrides), colocated=False)
         for step in (1, 2):
-            trainer.step(prompts(), step)
+            trainer.step(step, prompts)
         trainer.close()
         return trainer.agent_loop.seeds
 

@@ -18,7 +18,7 @@ def test_critic_only_steps_before_critic_warmup(tmp_path):
     logged = []
     for step in (1, 2, 3):
         events.clear()
-        logged.append(trainer.step(prompts(), step))
+        logged.append(trainer.step(step, prompts))
         updates = [e for e in events if e.endswith(("update_critic", "update_policy")) or e.startswith("sync")]
         if step < 3:
             assert updates == ["critic.update_critic"], f"step {step}: {updates}"

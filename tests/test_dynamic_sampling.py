@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from recipe.algos import AlgorithmConfig
-from recipe.trainer import RunFailed
+from recipe.engine_faults import RunFailed
 from tests.test_colocate import FakeAgentLoop, make_trainer
 
 pytestmark = pytest.mark.unit
@@ -38,8 +38,8 @@ def test_uniform_groups_dropped_and_the_batch_refilled(tmp_path):
     trainer, events = make_trainer(tmp_path, ["algorithm.filter_groups.enable=true",
                                               "algorithm.filter_groups.metric=score"], colocated=False,
                                    loop_cls=MixedAgentLoop)
-    more = batches(["a-mixed", "b", "c", "d-mixed"], ["e-mixed", "f", "g", "h-mixed"])
-    metrics = trainer.step(SimpleNamespace(prompts=["p0-mixed", "p1", "p2", "p3"], epoch=0), 1, more=more)
+    draw = batches(["p0-mixed", "p1", "p2", "p3"], ["a-mixed", "b", "c", "d-mixed"], ["e-mixed", "f", "g", "h-mixed"])
+    metrics = trainer.step(1, draw)
     assert events.count("rollout") == 3
     batch = trainer.workers.actor.batches["update_policy"]
     assert batch["responses"].shape[0] == 8  # 4 groups x 2 samples
@@ -55,11 +55,11 @@ def test_generation_limit_stops_the_run_when_the_data_cannot_fill_the_batch(tmp_
     trainer, events = make_trainer(tmp_path, ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=score",
                                               "algorithm.filter_groups.max_num_gen_batches=2"], colocated=False,
                                    loop_cls=MixedAgentLoop)
-    more = batches(["a-mixed", "b", "c", "d"], ["e-mixed"])
+    draw = batches(["p0-mixed", "p1", "p2", "p3"], ["a-mixed", "b", "c", "d"], ["e-mixed"])
     with pytest.raises(RunFailed, match=r"step 1: dynamic sampling kept 2 of data.train_batch_size=4 groups with a "
                                         r"score spread in 2 prompt batches \(algorithm.filter_groups.max_num_gen_"
                                         r"batches=2\)"):
-        trainer.step(SimpleNamespace(prompts=["p0-mixed", "p1", "p2", "p3"], epoch=0), 1, more=more)
+        trainer.step(1, draw)
     assert events.count("rollout") == 2 and "update_policy" not in trainer.workers.actor.batches
     trainer.close()
 

@@ -19,7 +19,8 @@ from omegaconf import OmegaConf
 
 from recipe.config_schema import PPOConfig
 from recipe.data.dataset import PromptBatch
-from recipe.trainer import RunFailed, Trainer, Workers
+from recipe.engine_faults import RunFailed
+from recipe.trainer import Trainer, Workers
 from rollout.engines.base import EngineDeadError, GenerateResult
 from rollout.trajectory import FinishReason
 from tests.test_agent_loop import (
@@ -180,20 +181,20 @@ def test_mostly_failed_steps_are_not_trained_on_and_max_failed_steps_in_a_row_st
     engine.fail_on = failing
     trainer, _, tracker = _trainer(tokenizer, [engine], **{"trainer.default_local_dir": tmp_path})
     for step in (1, 2):
-        metrics = trainer.step(_batch(), step)
+        metrics = trainer.step(step, _batch)
         assert metrics["fault/failed_fraction"] == 0.75 and metrics["fault/skipped_steps"] == step
     assert [s for s, _ in tracker.logged] == [1, 2]
     engine.fail_on = {"q0/0", "q0/1", "q1/0", "q1/1"}  # 50%: not more than the fraction, trained on
     with pytest.raises(Trained):
-        trainer.step(_batch(), 3)
-    assert trainer.failed_steps_in_row == 0
+        trainer.step(3, _batch)
+    assert trainer.faults.failed_steps_in_row == 0
     engine.fail_on = failing
-    trainer.step(_batch(), 4)
-    trainer.step(_batch(), 5)
+    trainer.step(4, _batch)
+    trainer.step(5, _batch)
     with pytest.raises(RunFailed, match=r"3 steps in a row trained nothing \(step 6: 75% of its trajectories ended "
                                         r"in error .*first error: RuntimeError: engine failure.*"
                                         r"trainer.max_failed_steps=3\)"):
-        trainer.step(_batch(), 6)
+        trainer.step(6, _batch)
 
 
 def test_a_dead_engine_is_restarted_synced_and_checked_until_its_restarts_run_out(tokenizer, tmp_path):
@@ -208,15 +209,15 @@ def test_a_dead_engine_is_restarted_synced_and_checked_until_its_restarts_run_ou
         "actor_rollout_ref.rollout.engine_health_timeout_s": 0.5})
     trainer.weight_version = 4
     with pytest.raises(Trained):  # the step trains: every trajectory was retried on engine1
-        trainer.step(_batch(), 1)
+        trainer.step(1, _batch)
     assert dying.restarts == 1 and not trainer.agent_loop.router.dead
     assert sync.calls == [("forget_groups", ["engine0"]), ("sync", 4, True)]
-    assert trainer.faults == {"fault/engine_restarts": 1.0, "fault/retried_trajectories": 1.0,
+    assert trainer.faults.metrics() == {"fault/engine_restarts": 1.0, "fault/retried_trajectories": 1.0,
                               "fault/skipped_steps": 0.0}
     dying.hang_probes = True
     with pytest.raises(RunFailed, match=r"^engine engine0: no answer to a health probe within 0.5 s "
                                         r".*all 1 restarts used \(actor_rollout_ref.rollout.max_engine_restarts=1\)"):
-        trainer.step(_batch(), 2)
+        trainer.step(2, _batch)
     assert dying.restarts == 1
 
 
@@ -247,7 +248,7 @@ def test_an_engine_dead_at_the_weight_sync_is_restarted_and_every_engine_synced_
     metrics = trainer.sync_weights()
     assert sync.calls == [("sync", 1, None), ("forget_groups", ["engine0"]), ("sync", 1, True)]
     assert dying.restarts == 1 and trainer.weight_version == 1 and not trainer.agent_loop.router.dead
-    assert metrics == {"weight_sync/seconds": 0.0} and trainer.faults["fault/engine_restarts"] == 1
+    assert metrics == {"weight_sync/seconds": 0.0} and trainer.faults.metrics()["fault/engine_restarts"] == 1
     sync.fail, sync.engine = True, FaultyEngine(tokenizer, _answer, "bystander")  # fails, every engine alive
     trainer.unsynced_updates = 1
     with pytest.raises(RuntimeError, match="ActorDiedError: the actor of bystander"):
@@ -269,5 +270,5 @@ def test_with_no_restart_allowed_a_dead_engine_stops_the_rollout_at_once(tokeniz
         "trainer.default_local_dir": tmp_path, "actor_rollout_ref.rollout.max_engine_restarts": 0})
     with pytest.raises(RunFailed, match=r"^engine engine0: its actor died during request .*; restarts are off "
                                         r"\(actor_rollout_ref.rollout.max_engine_restarts=0\): stopping the run$"):
-        trainer.step(_batch(), 1)
+        trainer.step(1, _batch)
     assert dying.restarts == 0 and sync.calls == [] and hanging.aborted

@@ -46,10 +46,10 @@ def test_step_logs_mfu_of_the_actor_update(tmp_path):
     from tests.test_colocate import make_trainer, prompts
 
     trainer, _ = make_trainer(tmp_path, [], colocated=False)
-    assert trainer.mfu is None and "perf/mfu/actor" not in trainer.step(prompts(), 1)
+    assert trainer.mfu is None and "perf/mfu/actor" not in trainer.step(1, prompts)
     model = ModelFlops(matmul_params=1000, attention_width=10)
     trainer.mfu = MFU(model, peak_tflops=1e-9, devices=1)
-    m = trainer.step(prompts(), 2)
+    m = trainer.step(2, prompts)
     seq_lens = [6] * int(m["rollout/num_trajectories"])  # the fake rollout: 3 prompt + 3 sampled tokens each
     expected = model.training(seq_lens) / (m["timing/update_actor_s"] * 1e-9 * 1e12)
     assert m["perf/mfu/actor"] == pytest.approx(expected, rel=1e-9) and "perf/throughput" in m

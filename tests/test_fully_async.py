@@ -20,6 +20,8 @@ from omegaconf import OmegaConf
 
 import recipe.trainer as trainer_module
 from recipe.config_schema import ConfigError, PPOConfig
+from recipe.engine_faults import RunFailed
+from recipe.schedules import FullyAsync
 from recipe.trainer import Trainer, Workers
 from rollout.engines.base import GenerateResult
 from rollout.trajectory import FinishReason, Trajectory
@@ -304,7 +306,7 @@ def test_a_fully_async_checkpoint_keeps_finished_groups_and_rolls_out_the_rest_f
     trainer.fit(_batches(100))
     trainer.close()
     saved = tmp_path / "out" / "global_step_2"
-    finished, pending = pickle.loads((saved / trainer_module.STREAM).read_bytes())
+    finished, pending = pickle.loads((saved / FullyAsync.FILE).read_bytes())
     assert len(finished) + len(pending) >= 4  # capacity 8 groups: 4 taken by step 2, the others saved
 
     resumed, _ = _fully_async_trainer(tokenizer, tmp_path, ["trainer.total_training_steps=3"], AddTool(delay_s=0.02))
@@ -352,7 +354,7 @@ def test_fully_async_dynamic_sampling_keeps_groups_with_a_signal_as_they_finish(
     trainer, _ = _fully_async_trainer(tokenizer, tmp_path, [*overrides, "algorithm.filter_groups.max_num_gen_batches=1"],
                                       AddTool())
     trainer.agent_loop.router.engines[0].policy = _mixed
-    with pytest.raises(trainer_module.RunFailed, match=r"dynamic sampling kept 2 of data.train_batch_size=4 groups "
+    with pytest.raises(RunFailed, match=r"dynamic sampling kept 2 of data.train_batch_size=4 groups "
                                                        r".*max_num_gen_batches=1"):
         trainer.fit(_batches(100))
     trainer.close()
@@ -365,7 +367,7 @@ def test_a_prompt_the_loop_refuses_stops_a_fully_async_run(tokenizer, tmp_path):
 
     trainer, _ = _fully_async_trainer(tokenizer, tmp_path, ["trainer.total_training_steps=2"], AddTool())
     bad = iter([PromptBatch([_prompt(f"b0/{j}", tools_kwargs={"nope": {}}) for j in range(4)], epoch=0)] * 3)
-    with pytest.raises(trainer_module.RunFailed, match=r"step 1: the rollouter stopped: .*nope"):
+    with pytest.raises(RunFailed, match=r"step 1: the rollouter stopped: .*nope"):
         trainer.fit(bad)
     trainer.close()
 

@@ -69,7 +69,7 @@ def test_the_trainer_weighs_the_actor_update_and_logs_the_correction(tmp_path):
     (tmp_path / "off").mkdir()
     trainer, _ = make_trainer(tmp_path / "on", ["algorithm.rollout_correction.rollout_is=token",
                                                 "algorithm.rollout_correction.rollout_is_threshold=1.5"], colocated=False)
-    metrics = trainer.step(prompts(), 1)
+    metrics = trainer.step(1, prompts)
     batch = trainer.workers.actor.batches["update_policy"]
     mask = batch["response_mask"].bool()
     assert torch.allclose(batch["rollout_is_weights"][mask], torch.tensor(1.5))
@@ -78,7 +78,7 @@ def test_the_trainer_weighs_the_actor_update_and_logs_the_correction(tmp_path):
     assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == 1.0
     trainer.close()
     trainer, _ = make_trainer(tmp_path / "off", [], colocated=False)
-    metrics = trainer.step(prompts(), 1)
+    metrics = trainer.step(1, prompts)
     assert "rollout_is_weights" not in trainer.workers.actor.batches["update_policy"]
     assert not any(k.startswith("rollout_corr/") for k in metrics)
     trainer.close()

@@ -25,7 +25,9 @@ from megatron_workers.weights import bucket_by_bytes
 from recipe.config_schema import PPOConfig
 from recipe.data import gsm8k
 from recipe.batch import collate
-from recipe.trainer import rollout_probs_diff, rollout_with_timeout, trainable
+from recipe.group_filter import trainable
+from recipe.rollouts import rollout_with_timeout
+from recipe.step_metrics import rollout_probs_diff
 from rollout.trajectory import FinishReason, Trajectory
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "recipe" / "config")
@@ -162,7 +164,7 @@ def run(tmp_path_factory):
             metrics = []
             for _ in range(STEPS):
                 step += 1
-                metrics.append(trainer.step(next(batches), step))
+                metrics.append(trainer.step(step, lambda: next(batches)))
             moved = max(abs(a - b) for a, b in zip(start, actor_log_probs(trainer, prompt_ids, before[0])))
             result["estimators"][estimator] = {"metrics": metrics, "moved": moved}
         result["val"] = trainer.validate(step)  # greedy (val_kwargs' default) over the 8 held-out prompts

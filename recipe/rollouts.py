@@ -37,7 +37,7 @@ class Collected:
     rolled: list[Trajectory]  # everything rolled out (under dynamic sampling: every prompt batch)
     trajs: list[Trajectory]  # what the step trains on: trainable, in kept groups, a multiple of the batch split
     metrics: dict[str, float]  # rollout metrics and timings (timing/rollout_s, fault/failed_fraction, ...)
-    ahead: bool = False  # rolled out while the previous step trained (one_step_off, fully_async): no trainer wait
+    in_background: bool = False  # rolled out while the previous step trained (one_step_off, fully_async)
     baselines: dict[str, float] | None = None  # ReMax: prompt uid -> its greedy rollout's weighted total reward
     failed: float = field(init=False)  # the share of `rolled` that ended in error
 
@@ -91,18 +91,18 @@ class Rollouts:
             self.faults.heal()
         return trajs
 
-    def collect(self, prompts: PromptBatch, step: int, draw: Draw | None, ahead: bool = False) -> Collected:
+    def collect(self, prompts: PromptBatch, step: int, draw: Draw | None, in_background: bool = False) -> Collected:
         """Step `step`'s rollout: `prompts` rolled out (and, under dynamic sampling, more batches from `draw` until
-        enough groups carry a signal), the trajectories to train on, ReMax's greedy baselines. `ahead`: rolled out in
+        enough groups carry a signal), the trajectories to train on, ReMax's greedy baselines. `in_background`: rolled out in
         a background thread while the previous step trains, which leaves restarting dead engines to the trainer's."""
         timer = Timer()
         with timer("rollout"):
-            rolled, kept, filter_m = self._sample(prompts, step, draw, heal=not ahead)
+            rolled, kept, filter_m = self._sample(prompts, step, draw, heal=not in_background)
         metrics = {**rollout_metrics(rolled), **self.agent_loop.instance_metrics(), **filter_m}
-        collected = Collected(rolled, trainable(kept, self.row_multiple), metrics, ahead=ahead)
+        collected = Collected(rolled, trainable(kept, self.row_multiple), metrics, in_background=in_background)
         if self.cfg.algorithm.adv_estimator == "remax" and collected.trains(self.cfg.trainer.max_failed_fraction):
             with timer("rollout_greedy"):
-                greedy = self.rollout(prompts.prompts, greedy=True, heal=not ahead)
+                greedy = self.rollout(prompts.prompts, greedy=True, heal=not in_background)
                 totals = self.reward_fn.terms(greedy).totals(self.reward_fn.weights)  # (P,)
                 collected.baselines = {t.prompt_uid: float(v) for t, v in zip(greedy, totals)}
         metrics.update(timer.metrics)

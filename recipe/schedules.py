@@ -115,7 +115,7 @@ class OneStepOff(SyncSchedule):
     def collect(self, step: int, draw: Draw) -> Collected:
         collected, self.done = self.done or self.rollouts.collect(draw(), step, draw), None
         if step < self.total_steps:
-            self.pool.start(self.rollouts.collect, draw(), step + 1, draw, ahead=True)
+            self.pool.start(self.rollouts.collect, draw(), step + 1, draw, in_background=True)
         return collected
 
     def before_sync(self) -> None:
@@ -223,7 +223,7 @@ class FullyAsync(SyncSchedule):
         if groups.enabled:
             metrics.update(groups.metrics(len(kept), counts["filtered"], counts["taken"] / groups.want))
         trajs = trainable([t for group in kept for t in group], self.rollouts.row_multiple)
-        return Collected(rolled, trajs, metrics, ahead=True)
+        return Collected(rolled, trajs, metrics, in_background=True)
 
 
 SCHEDULES: dict[str, type[SyncSchedule]] = {"sync": SyncSchedule, "one_step_off": OneStepOff,

@@ -225,7 +225,7 @@ class Trainer:
         t, rollout_m = self.cfg.trainer, collected.metrics
         step_s = m["timing/step_s"] = self.clock.elapsed()
         # the trainer idle meanwhile: its own rollout (sync), or waiting for the one in flight / for finished groups
-        waited_s = (0.0 if collected.ahead else rollout_m["timing/rollout_s"]) + \
+        waited_s = (0.0 if collected.in_background else rollout_m["timing/rollout_s"]) + \
             m.get("timing/wait_rollout_s", 0.0) + rollout_m.get("timing/wait_groups_s", 0.0)
         metrics = {**rollout_m, **m, **self.faults.metrics(), **self.clock.busy_fractions(step_s, waited_s),
                    **data_metrics(batch, token_rewards, terms, trajs, len(collected.rolled) - len(trajs),

@@ -15,9 +15,9 @@ appends from there.
 
 wandb follows its own environment: `WANDB_MODE=offline` (the tests) writes the run under
 `<dir>/wandb/offline-run-*` for a later `wandb sync`; without an API key on a machine with
-no login, set WANDB_MODE=offline yourself (`wandb_login_problem` says so before Ray starts). A resumed run passes the saved `run_id` and continues that
-wandb run (`resume="allow"`). `log_table` sends a few sample trajectories as a
-wandb table (and logs their count on the console).
+no login, set WANDB_MODE=offline yourself (`wandb_login_problem` says so before Ray starts). A resumed run
+passes the saved `run_id` and continues that wandb run (`resume="allow"`). `log_table` sends a few sample
+trajectories as a wandb table (and logs their count on the console).
 """
 from __future__ import annotations
 

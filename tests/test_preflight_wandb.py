@@ -43,6 +43,14 @@ def test_no_login_is_refused_naming_the_key_and_fixes(tmp_path):
 
 
 @pytest.mark.unit
+def test_a_malformed_key_is_refused_naming_it(tmp_path):
+    """Contract: a WANDB_API_KEY wandb would refuse (too short) is one line naming it and the fix."""
+    line = _check(tmp_path, WANDB_API_KEY="short").stdout.strip().splitlines()[-1]
+    assert "includes wandb but its credentials are unusable (WANDB_API_KEY invalid" in line
+    assert line.endswith("run `wandb login` again or fix WANDB_API_KEY")
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("how", ["offline", "disabled", "api_key", "netrc"])
 def test_offline_mode_or_a_login_passes(tmp_path, how):
     """Contract: WANDB_MODE=offline / disabled, WANDB_API_KEY or a ~/.netrc entry for wandb's host pass the check."""

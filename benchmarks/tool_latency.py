@@ -39,7 +39,7 @@ from typing import Any
 import yaml
 
 from rollout.tools import ToolRegistry
-from rollout.tools.sandbox import namespaces_available
+from rollout.tools.sandbox_isolation import namespaces_available
 
 logger = logging.getLogger(__name__)
 

@@ -346,20 +346,26 @@ class MegatronRunner:
         return dict(zip(keys, t.tolist()))
 
     def _check_finite_grads(self, mini_batch: int) -> None:
+        """Refuse the optimizer step when any rank holds a non-finite gradient, naming the first such parameter.
+
+        One fused reduction (the largest |g| over every gradient: NaN or inf when any element is, never an overflow
+        of finite values) and one host read per step; only on failure a second pass looks for the parameter.
+        """
+        grads = [(name, g) for chunk in self.model for name, p in chunk.named_parameters()
+                 if (g := getattr(p, "main_grad", None)) is not None]
         bad = torch.zeros(1, device=self._device)
-        for chunk in self.model:
-            for p in chunk.parameters():
-                g = getattr(p, "main_grad", None)
-                if g is not None and not torch.isfinite(g).all():
-                    bad.fill_(1.0)
-                    break
+        if grads:
+            peaks = torch._foreach_norm([g for _, g in grads], float("inf"))  # one scalar per gradient, on the device
+            bad = (~torch.isfinite(torch.stack([x.float() for x in peaks]).max())).float().reshape(1)
         torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-        if bad.item():
+        if bad.item():  # the step's one host read
+            name = next((n for n, g in grads if not torch.isfinite(g).all()), None)
             for chunk in self.model:
                 chunk.zero_grad_buffer()
             raise FloatingPointError(
-                f"non-finite gradient in mini-batch {mini_batch}; the optimizer step was refused and the "
-                "weights are unchanged (check the loss function and the batch's advantages / log-probs)"
+                f"non-finite gradient in mini-batch {mini_batch} ({f'first in {name}' if name else 'on another rank'}); "
+                "the optimizer step was refused and the weights are unchanged (check the loss function and the "
+                "batch's advantages / log-probs)"
             )
 
     # -- memory: offload/onload (colocated engines get the GPU between training phases) -----------

@@ -169,14 +169,16 @@ class Prepared:
 
 def prepare(cfg: PPOConfig) -> Prepared:
     """Everything checked and loaded before Ray starts (recipe.preflight): the placement plan, the checkpoint to
-    resume, the model directory (config.json, tokenizer, layout against its heads and layers), the memory plan, the
-    tool and interaction YAML, the data (batch size, a scorer per data source); raises ConfigError naming the key."""
+    resume, the wandb login, the model directory (config.json, tokenizer, layout against its heads and layers), the
+    memory plan, the tool and interaction YAML, the data (batch size, a scorer per data source); raises ConfigError
+    naming the key."""
     from transformers import AutoConfig, AutoTokenizer
 
     from rollout.interactions.registry import InteractionRegistry
     from rollout.tools.registry import ToolRegistry
 
     plan = plan_placement(cfg)  # refuses a layout that cannot fit before anything starts
+    preflight.check_wandb_login(cfg.trainer.logger)
     resume = checkpoint.resume_dir(cfg.trainer.resume_mode, cfg.trainer.default_local_dir, cfg.trainer.resume_from_path)
     state = checkpoint.TrainerState.read(resume) if resume is not None else None  # the step and wandb run it continues
     path = model_dir(cfg)

@@ -1,9 +1,10 @@
-"""Checks that need the model's files or the data, run before Ray starts; each failure is one ConfigError line
-naming the config key (and the model field or data file) and the fix.
+"""Checks that need the model's files, the data or the machine's wandb login, run before Ray starts; each failure is
+one ConfigError line naming the config key (and the model field or data file) and the fix.
 
 The config alone is checked by `recipe.config_schema`; here: the model directory's config.json and tokenizer,
 the parallel layout against the model's head and layer counts, the batch size against the rows loaded, and the
-outcome scorer of every data source (or the custom reward function).
+outcome scorer of every data source (or the custom reward function), and a wandb login when `trainer.logger` has wandb
+(else `wandb.init` fails only after every worker and engine has started).
 """
 from __future__ import annotations
 
@@ -69,3 +70,12 @@ def check_data(cfg: PPOConfig, rows: int, data_sources: set[str]) -> None:
             raise ConfigError(f"data_source {missing} in data.train_files / data.val_files has no outcome scorer "
                               f"(known: {sorted(SCORERS)}); set custom_reward_function.path=<file.py> or register "
                               "one (recipe.reward.register_scorer)")
+
+
+def check_wandb_login(loggers: list[str]) -> None:
+    """Refuse `trainer.logger` with wandb when wandb would run online with no login (`tracking.wandb_login_problem`)."""
+    from recipe.tracking import wandb_login_problem
+
+    problem = wandb_login_problem(loggers)
+    if problem:
+        raise ConfigError(problem)

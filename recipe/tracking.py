@@ -15,9 +15,9 @@ appends from there.
 
 wandb follows its own environment: `WANDB_MODE=offline` (the tests) writes the run under
 `<dir>/wandb/offline-run-*` for a later `wandb sync`; without an API key on a machine with
-no login, set WANDB_MODE=offline yourself. A resumed run passes the saved `run_id` and continues that
-wandb run (`resume="allow"`). `log_table` sends a few sample trajectories as a
-wandb table (and logs their count on the console).
+no login, set WANDB_MODE=offline yourself (`wandb_login_problem` says so before Ray starts). A resumed run
+passes the saved `run_id` and continues that wandb run (`resume="allow"`). `log_table` sends a few sample
+trajectories as a wandb table (and logs their count on the console).
 """
 from __future__ import annotations
 
@@ -86,6 +86,30 @@ def _keep_through(path: Path, step: int) -> int:
     tmp.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
     os.replace(tmp, path)
     return len(lines) - len(kept)
+
+
+def wandb_login_problem(loggers: list[str]) -> str | None:
+    """Why `wandb.init` would fail for lack of a login with these `trainer.logger` sinks, in one line; None when it
+    would not. wandb's own lookup: WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, ~/.netrc, its settings file;
+    WANDB_MODE=offline / disabled need no login."""
+    if "wandb" not in loggers:
+        return None
+    from wandb.sdk import wandb_setup
+    from wandb.sdk.lib import wbauth
+
+    settings = wandb_setup.singleton().settings  # the environment and settings file, as wandb.init reads them
+    if settings._offline or settings._noop:
+        return None
+    try:
+        auth = wbauth.authenticate_session(host=settings.base_url, source="polyturn", prompt=False,
+                                           update_session=False)
+    except Exception as err:  # credentials found in the wrong format (wandb's AuthenticationError)
+        return (f"trainer.logger={loggers} includes wandb but its credentials are unusable ({err}); run `wandb login` "
+                "again or fix WANDB_API_KEY")
+    if auth is not None:
+        return None
+    return (f"trainer.logger={loggers} includes wandb but no wandb login or API key was found for {settings.base_url}: "
+            "run `wandb login`, set WANDB_API_KEY, set WANDB_MODE=offline, or drop wandb from trainer.logger")
 
 
 class Tracking:

@@ -119,7 +119,8 @@ def test_sft_demos_render_and_their_tool_calls_parse_back(data_dir, tmp_path):
 def test_training_init_and_compact_tools_are_options_defaults_unchanged(tmp_path):
     """Contract: init_std scales the random init (and config.json's initializer_range); compact_tools changes only
     the chat template; the defaults stay the parity tests' (std 0.2, full Qwen2.5 tools block)."""
-    from recipe.tiny_model import CHAT_TEMPLATE, COMPACT_CHAT_TEMPLATE, INIT_STD, write_tiny_checkpoint
+    from recipe.tiny_model import INIT_STD, write_tiny_checkpoint
+    from recipe.tiny_tokenizer import CHAT_TEMPLATE, COMPACT_CHAT_TEMPLATE
 
     shape = dict(layers=1, hidden=64, heads=2, kv_heads=1, intermediate=64)
     default = write_tiny_checkpoint(tmp_path / "d", **shape)

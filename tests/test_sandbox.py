@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from rollout.tools import ToolRegistry
-from rollout.tools.sandbox import SandboxLimits, find_interpreter, namespaces_available
+from rollout.tools.sandbox import SandboxLimits
+from rollout.tools.sandbox_isolation import find_interpreter, namespaces_available
 
 AS_ROOT = os.geteuid() == 0
 MODES = [

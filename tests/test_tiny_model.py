@@ -17,14 +17,13 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from recipe.tiny_model import (
-    SPECIAL_TOKENS,
-    TOOL_TOKENS,
     VOCAB_MULTIPLE,
     TinyModelSpec,
     init_weights,
     main,
     write_tiny_checkpoint,
 )
+from recipe.tiny_tokenizer import SPECIAL_TOKENS, TOOL_TOKENS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXPECTED_FILES = {

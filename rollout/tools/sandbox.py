@@ -40,35 +40,37 @@ back when the code ends, marked by a random end token on both streams: a sandbox
 processes and namespaces, a few ms of CPU) is not waited for, and the pool does it off the call.
 
 Departs from typical RL sandboxes (SandboxFusion, E2B): no server, no container image; a run
-costs one `python3` start (~30 ms) and works offline on any Linux host.
+costs one `python3` start (~30 ms) and works offline on any Linux host. The containment's command lines and host
+probes are in `rollout.tools.sandbox_isolation`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import random
 import secrets
-import shlex
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 
 from rollout.tools.child_process import ChildProcess, PipeReader, spawn
+from rollout.tools.sandbox_isolation import (
+    DEFAULT_VISIBLE_PATHS,
+    workdir_parent,
+    find_interpreter,
+    limits_argv,
+    namespace_argv,
+    namespaces_available,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_UID_RANGE = (1_000_000, 1_000_000_000)  # uids with no passwd entry, one drawn per run
 ISOLATION_MODES = ("namespaces", "rlimits_unsafe")
-# Top-level entries a sandboxed run sees; everything else in / is covered (see the module docstring).
-DEFAULT_VISIBLE_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/proc", "/dev", "/sys", "/tmp")
 
 # Installed before user code in "rlimits_unsafe" isolation only: refuses the events that reach
 # outside the process. Audit hooks cannot be removed once added.
@@ -203,78 +205,6 @@ class SandboxWorker:
     released: bool = False  # its uid and work dir are freed (at most once: the uid may be drawn again after)
 
 
-def _world_executable(path: str) -> bool:
-    """True when `path` (symlinks resolved) and every directory above it are usable by any user."""
-    real = Path(os.path.realpath(path))
-    if not real.is_file() or not os.stat(real).st_mode & 0o001:
-        return False
-    return all(os.stat(parent).st_mode & 0o001 for parent in real.parents)
-
-
-def _workdir_parent() -> str:
-    """Where rlimits_unsafe work dirs go: the temp dir, unless the sandbox's unprivileged uid could not
-    reach it (a private TMPDIR such as one made by `mktemp -d`); then /tmp."""
-    parent = tempfile.gettempdir()
-    reachable = all(os.stat(p).st_mode & 0o001 for p in (Path(parent), *Path(parent).parents))
-    return parent if reachable else "/tmp"
-
-
-def find_interpreter(preferred: str | None, drop_privileges: bool) -> str:
-    """A python3 the sandbox user can run: `preferred`, else /usr/bin/python3, PATH's python3, ours."""
-    candidates = [preferred] if preferred else ["/usr/bin/python3", shutil.which("python3"), sys.executable]
-    for cand in candidates:
-        if cand and os.path.exists(cand) and (not drop_privileges or _world_executable(cand)):
-            return cand
-    raise RuntimeError(
-        f"no python interpreter usable by the sandbox user among {candidates}; "
-        "install python3 in a world-readable location (e.g. apt-get install python3) or set python_executable"
-    )
-
-
-@functools.lru_cache(maxsize=8)
-def namespaces_available(unshare: str | None, as_root: bool) -> bool:
-    """Whether `unshare` can create the namespaces the sandbox uses (probed once per process)."""
-    if unshare is None:
-        return False
-    argv = [unshare, *_unshare_flags(as_root), "--", "/bin/sh", "-c", "mount -t tmpfs tmpfs /tmp"]
-    try:
-        return subprocess.run(argv, capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
-
-
-def _cover_commands(visible: tuple[str, ...], keep: str) -> list[str]:
-    """Shell commands (run as namespace root, after the fresh /tmp is mounted) that cover every top-level
-    entry of / outside `visible`: directories with an empty read-only tmpfs, files with /dev/null. When
-    `keep` (the interpreter prefix) lies under a covered directory, it is bound back read-only through a
-    staging mount in the fresh /tmp."""
-    q = shlex.quote
-    cmds = []
-    for entry in sorted(os.scandir("/"), key=lambda e: e.name):
-        top = "/" + entry.name
-        if top in visible or entry.is_symlink() or keep == top:
-            continue
-        if entry.is_file():
-            cmds.append(f"mount --bind /dev/null {q(top)}")
-        elif not entry.is_dir():
-            continue
-        elif keep.startswith(top + "/"):
-            cmds += [
-                f"mkdir /tmp/.keep && mount --bind {q(keep)} /tmp/.keep",
-                f"mount -t tmpfs -o size=16k,mode=755 tmpfs {q(top)}",
-                f"mkdir -p {q(keep)} && mount --move /tmp/.keep {q(keep)} && rmdir /tmp/.keep",
-                f"mount -o remount,bind,ro {q(keep)} && mount -o remount,ro {q(top)}",
-            ]
-        else:
-            cmds.append(f"mount -t tmpfs -o size=16k,mode=755,ro tmpfs {q(top)}")
-    return cmds
-
-
-def _unshare_flags(as_root: bool) -> list[str]:
-    flags = ["--net", "--pid", "--ipc", "--uts", "--mount", "--fork", "--kill-child", "--mount-proc"]
-    return flags if as_root else ["--user", "--map-root-user", *flags]
-
-
 class Sandbox:
     """Runs Python source under `SandboxLimits`; `await sandbox.run(code)`.
 
@@ -318,8 +248,6 @@ class Sandbox:
                 "files, leave files in /tmp, /var/tmp, /dev/shm and processes that outlive the call"
             )
         self.visible_paths = tuple(visible_paths)
-        # The interpreter's installation prefix (`<prefix>/bin/python3`): bound back when covered.
-        self.python_prefix = str(Path(os.path.realpath(self.python)).parents[1])
         self._unshare = unshare
         if not (0 < uid_range[0] < uid_range[1]) or uid_range[0] < 1000:
             raise ValueError(f"sandbox uid_range must be (low, high) with 1000 <= low < high, got {uid_range}")
@@ -335,37 +263,6 @@ class Sandbox:
         self._uids_in_use.add(uid)
         return uid
 
-    def _limits_argv(self, uid: int | None = None) -> list[str]:
-        """The command prefix that sets the resource limits (inherited by everything it starts) and, given `uid`,
-        switches to that unprivileged uid/gid with no supplementary groups, then execs the rest: util-linux's
-        `prlimit` and `setpriv`. Not a preexec function: Python code between fork and exec in a process with
-        other threads (Ray's, the engine client's) can wait forever on a lock one of them held at the fork, and
-        the call then never starts (seen in a GSM8K run: the child stuck before exec, the rollout hung)."""
-        lim, mb = self.limits, 1024 * 1024
-        argv = [self._prlimit, f"--cpu={lim.cpu_time_s}:{lim.cpu_time_s + 1}", f"--as={lim.memory_mb * mb}",
-                f"--fsize={lim.file_size_mb * mb}", f"--nproc={lim.max_processes}",
-                f"--nofile={lim.max_open_files}", "--core=0", "--"]
-        if uid is not None:
-            argv += [self._setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
-        return argv
-
-    def _namespace_argv(self, uid: int | None) -> list[str]:
-        # Runs as (namespace) root first to set up mounts, then starts python as a child of the
-        # shell (not exec: PID 1 of a namespace ignores signals such as SIGXCPU).
-        setup = [
-            f"mount -t tmpfs -o size={self.limits.disk_mb}m,mode=1777 tmpfs /tmp",
-            "{ mount -t tmpfs -o size=1m,mode=1777 tmpfs /dev/shm 2>/dev/null || true; }",
-        ]
-        setup += _cover_commands(self.visible_paths, self.python_prefix)
-        drop = ""
-        if uid is not None:
-            drop = (
-                f"setpriv --reuid={uid} --regid={uid} --clear-groups --no-new-privs "
-                "--inh-caps=-all --bounding-set=-all -- "
-            )
-        script = " && ".join(setup) + f" && cd /tmp && {drop}'{self.python}' -I -u -c {shlex.quote(_RUN_PRELUDE)}"
-        return [self._unshare, *_unshare_flags(self.as_root), "--", "/bin/sh", "-c", script]
-
     async def run(self, code: str) -> SandboxResult:
         """Run `code` as a script in a sandbox started for it; never raises for anything the code does."""
         start = time.monotonic()
@@ -379,11 +276,15 @@ class Sandbox:
         """Start a sandbox up to the point where its interpreter waits for code (namespaces, mounts, limits
         and privilege drop all done). Raises `SandboxStartError` when it cannot; cancelling kills it."""
         uid = self._take_uid()
-        workdir = None if self.isolation == "namespaces" else tempfile.mkdtemp(prefix="polyturn-sandbox-", dir=_workdir_parent())
+        workdir = None if self.isolation == "namespaces" else tempfile.mkdtemp(prefix="polyturn-sandbox-", dir=workdir_parent())
         if workdir is None:
-            argv, cwd = self._limits_argv() + self._namespace_argv(uid), "/"
+            argv = limits_argv(self.limits, self._prlimit, self._setpriv) + namespace_argv(
+                self._unshare, self.as_root, self.limits.disk_mb, self.visible_paths, self.python, _RUN_PRELUDE, uid)
+            cwd = "/"
         else:
-            argv, cwd = self._limits_argv(uid) + [self.python, "-I", "-u", "-c", _AUDIT_PRELUDE + _RUN_PRELUDE], workdir
+            argv = limits_argv(self.limits, self._prlimit, self._setpriv, uid) + [
+                self.python, "-I", "-u", "-c", _AUDIT_PRELUDE + _RUN_PRELUDE]
+            cwd = workdir
             if uid is not None:
                 os.chown(workdir, uid, uid)
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir or "/tmp"}

@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from rollout.agent_loop import AgentLoop, RolloutPrompt
+from rollout.agent_loop import AgentLoop
+from rollout.prompt import RolloutPrompt
 from rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)

@@ -95,8 +95,10 @@ from recipe.reward import RewardFn, RewardTerms, policy_text
 from recipe.schedules import RolloutAhead, RolloutStopped, StreamingRollouter, staleness, within_staleness
 from recipe.tracking import Tracking
 from recipe.validation import TABLE_COLUMNS, Validator, trajectory_records, write_jsonl
-from rollout.agent_loop import AgentLoop, RolloutPrompt, rollout_metrics
+from rollout.agent_loop import AgentLoop
 from rollout.engines.base import EngineDeadError
+from rollout.metrics import rollout_metrics
+from rollout.prompt import RolloutPrompt
 from rollout.trajectory import FinishReason, Trajectory
 
 logger = logging.getLogger(__name__)

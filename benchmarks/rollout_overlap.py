@@ -30,10 +30,11 @@ import tempfile
 import time
 from typing import Any
 
-from rollout.agent_loop import AgentLoop, RolloutPrompt
+from rollout.agent_loop import AgentLoop
 from rollout.config import MultiTurnConfig, RolloutConfig
 from rollout.engines.base import GenerateResult
 from rollout.interactions.registry import InteractionRegistry
+from rollout.prompt import RolloutPrompt
 from rollout.tools.base import BaseTool
 from rollout.tools.registry import ToolRegistry
 from rollout.tools.schemas import OpenAIFunctionToolSchema

@@ -119,7 +119,10 @@ def install_problems(probe: GpuProbe, modules: tuple[str, ...] = GPU_IMPORTS) ->
 def activate() -> bool:
     """Put the stand-ins first on sys.path and PYTHONPATH when no GPU is present; idempotent.
 
-    Returns True if the stand-ins are active. Must run before the first import of sglang or megatron.
+    Returns True if the stand-ins are active. Must run before the first import of sglang or megatron. Only the two
+    adapters call it, each once at the start of a process that runs its library: `megatron_workers.cpu_compat.
+    apply_cpu_compat` (the driver, the Megatron rank actors) and `rollout.sglang_cpu.engine_kwargs_for_this_machine`
+    (an engine's process, as it starts the engine); the processes they start inherit PYTHONPATH.
     """
     if gpu_present():
         return False

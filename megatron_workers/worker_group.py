@@ -43,7 +43,6 @@ from typing import Any, Callable, Optional, Sequence
 import ray
 import torch
 
-import cpu_standins
 from megatron_workers import cpu_compat
 from megatron_workers.ports import free_port
 
@@ -221,8 +220,7 @@ class MegatronWorkerGroup:
         if len(rank_options) != layout.world_size:
             raise ValueError(f"{len(rank_options)} rank_options for a layout of {layout.world_size} ranks ({layout})")
 
-        cpu_standins.activate()  # puts the CPU import stand-ins on PYTHONPATH (no-op with GPUs)
-        env = {
+        env = {  # the driver's PYTHONPATH: the CPU import stand-ins when its start applied the adapter
             "PYTHONPATH": os.pathsep.join(p for p in [str(_REPO_ROOT), os.environ.get("PYTHONPATH", "")] if p),
             **(env_vars or {}),
         }

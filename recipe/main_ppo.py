@@ -8,7 +8,8 @@ data against the tool and interaction registries, joins the Ray cluster at `RAY_
 plan's placement groups, builds the Megatron actor group (+ reference when a KL term is used,
 + critic for GAE) and the engines as Ray actors on their bundles, and runs the trainer.
 
-Where it departs from verl's `main_ppo`: the driver holds handles only and imports no SGLang;
+Where it departs from verl's `main_ppo`: the driver holds handles only and runs no SGLang engine (importing this
+module loads no SGLang; the loop imports SGLang's tool-call parser when it first parses tools, after the adapter);
 the reference and critic share the actor's GPUs, each in its own TP x PP layout (and, in hybrid mode, the engines
 too) instead of
 asking for resource pools of their own.

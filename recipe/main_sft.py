@@ -43,7 +43,7 @@ def _load(cfg: SFTConfig, path: str) -> tuple[Any, Any]:
     from transformers import AutoTokenizer
 
     from recipe.data.sft_dataset import SFTDataset
-    from rollout.agent_loop import ChatCodec
+    from rollout.chat_codec import ChatCodec
 
     d = cfg.data
     codec = ChatCodec.for_tokenizer(AutoTokenizer.from_pretrained(path))  # the rollout's template and stop token

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from rollout.agent_loop import AgentLoop, RolloutPrompt
+from rollout.agent_loop import AgentLoop
+from rollout.prompt import RolloutPrompt
 from rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)

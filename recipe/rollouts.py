@@ -22,7 +22,9 @@ from recipe.group_filter import GroupFilter, failed_fraction, prompt_groups, tra
 from recipe.reward import RewardFn
 from recipe.rollouter import run_on
 from recipe.step_metrics import Timer
-from rollout.agent_loop import AgentLoop, RolloutPrompt, rollout_metrics
+from rollout.agent_loop import AgentLoop
+from rollout.metrics import rollout_metrics
+from rollout.prompt import RolloutPrompt
 from rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)

@@ -37,7 +37,7 @@ from recipe.engine_faults import RunFailed
 from recipe.group_filter import trainable
 from recipe.rollouter import RolloutAhead, RolloutStopped, StreamingRollouter
 from recipe.rollouts import Collected, Draw, Rollouts
-from rollout.agent_loop import rollout_metrics
+from rollout.metrics import rollout_metrics
 from rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from recipe.reward import RewardFn, RewardTerms, policy_text
-from rollout.agent_loop import AgentLoop, RolloutPrompt
+from rollout.agent_loop import AgentLoop
 from rollout.config import ValKwargsConfig
+from rollout.prompt import RolloutPrompt
 from rollout.trajectory import Trajectory
 
 TABLE_COLUMNS = ["uid", "data_source", "prompt", "response", "ground_truth", "reward", "finish_reason"]

@@ -9,12 +9,10 @@ way. It stops on the model's own stop, on the interaction's say-so, or on a limi
 turns, user turns, response tokens, model context).
 
 Where it departs from the textbook "render the chat, tokenize, generate" loop:
-- The engine's ids are never re-tokenized. Tool and user messages become tokens by rendering
-  the chat template on a placeholder conversation plus the new messages and tokenizing only
-  the suffix after the placeholder (the "delta"), so the training sequence holds exactly
-  what the engine sampled plus exactly what the template would put around new messages.
-- At the end the whole chat is re-rendered from `messages` only to *check* it against the
-  ids; the first differing index is a metric (`rollout/drift/*`), never a rebuild.
+- The first request sends the prompt ids tokenized at load (`RolloutPrompt.prompt_ids`, the ones the
+  dataset's length filter measured); the engine's ids are never re-tokenized, and what the loop
+  inserts between turns is the chat template's delta (`ChatCodec.delta_ids`). At the end the chat
+  is re-rendered only to *check* it (`ChatCodec.drift_index`, metric `rollout/drift/*`).
 - `max_parallel_calls` limits how many calls of one turn run at once; unlike verl, calls
   beyond it are queued, not dropped, so no call the model made goes unanswered.
 - Failures are data: malformed calls, tool errors and timeouts are tool messages to the
@@ -38,179 +36,26 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from tqdm import tqdm
 
+from rollout.chat_codec import ChatCodec
 from rollout.config import RolloutConfig
 from rollout.engines.base import EngineDeadError, GenerateResult, RolloutEngine
 from rollout.engines.router import EngineRouter
 from rollout.interactions.registry import InteractionRegistry
 from rollout.interactions.runner import InteractionRunner
+from rollout.prompt import RolloutPrompt, encode_prompt, sample_tools
 from rollout.tool_parser import MalformedCall, ParsedCall, ToolCallParser
 from rollout.tools.registry import ToolRegistry
 from rollout.tracing import trace_into
 from rollout.trajectory import FinishReason, ToolCallRecord, Trajectory, TrajectoryStatus, TurnScore
 
 logger = logging.getLogger(__name__)
-
-_PLACEHOLDER = "\u2063POLYTURN_ASSISTANT_PLACEHOLDER\u2063"  # never produced by a model; marks where the delta starts
-
-
-@dataclass
-class RolloutPrompt:
-    """One prompt to roll out `n` times; the fields of a verl data row the rollout needs."""
-
-    uid: str  # unique id of the prompt (the GRPO group id)
-    messages: list[dict[str, Any]]  # the chat so far (system / user messages)
-    tools_kwargs: dict[str, Any] = field(default_factory=dict)  # {tool: {create_kwargs, execute_kwargs, ...}}
-    interaction_kwargs: dict[str, Any] = field(default_factory=dict)  # {"name": interaction, ...}; empty: no simulated user
-    data_source: str = ""  # the row's data_source (picks the outcome scorer)
-    ground_truth: Any = None  # reward_model.ground_truth
-    extra_info: dict[str, Any] = field(default_factory=dict)  # the row's extra_info
-
-    @classmethod
-    def from_row(cls, row: dict[str, Any], uid: str) -> RolloutPrompt:
-        """From a verl data row: `prompt`, `data_source`, `reward_model.ground_truth`, `extra_info.{tools,interaction}_kwargs`."""
-        if not isinstance(row.get("prompt"), list):
-            raise ValueError(f"data row {uid}: `prompt` must be a list of chat messages, got {type(row.get('prompt')).__name__}")
-        extra = dict(row.get("extra_info") or {})
-        return cls(
-            uid=uid,
-            messages=list(row["prompt"]),
-            tools_kwargs=dict(extra.get("tools_kwargs") or {}),
-            interaction_kwargs=dict(extra.get("interaction_kwargs") or {}),
-            data_source=str(row.get("data_source") or ""),
-            ground_truth=(row.get("reward_model") or {}).get("ground_truth"),
-            extra_info=extra,
-        )
-
-
-class ChatCodec:
-    """Chat-template rendering for the loop (and for SFT demonstrations): prompts, assistant turns, mask-0 deltas,
-    tool-output truncation, drift check."""
-
-    def __init__(self, tokenizer: Any, stop_token_ids: list[int]):
-        self.tokenizer = tokenizer
-        self.stop_token_ids = set(stop_token_ids)
-        self._assistant_prefix: str | None = None  # the placeholder conversation's generation prompt (assistant_ids)
-
-    @classmethod
-    def for_tokenizer(cls, tokenizer: Any) -> ChatCodec:
-        """The codec of a tokenizer whose eos token ends an assistant turn (the engine's stop token)."""
-        if tokenizer.eos_token_id is None:
-            raise ValueError("the tokenizer has no eos_token_id; set eos_token (e.g. <|im_end|>) in tokenizer_config.json")
-        return cls(tokenizer, [tokenizer.eos_token_id])
-
-    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, gen_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=gen_prompt, tokenize=False
-        )
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        """The prompt with the sample's own tool schemas and the generation prompt."""
-        return self.encode(self._render(messages, tools, gen_prompt=True))
-
-    def assistant_text(self, ids: list[int]) -> str:
-        """Text of engine ids for parsing and the message log (a trailing stop token dropped)."""
-        if ids and ids[-1] in self.stop_token_ids:
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
-
-    def delta_ids(self, new_messages: list[dict[str, Any]], after_stop_token: int | None) -> list[int]:
-        """Tokens the template puts after an assistant turn for `new_messages`, up to the next generation prompt.
-
-        Rendered on a placeholder conversation; the text after the placeholder's content is the
-        turn's closing plus the new messages plus `<|im_start|>assistant\\n`. When the engine
-        already sampled the stop token that closes the turn, its text is not repeated.
-        """
-        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PLACEHOLDER}]
-        text = self._render(base + new_messages, None, gen_prompt=True)
-        cut = text.index(_PLACEHOLDER) + len(_PLACEHOLDER)
-        delta = text[cut:]
-        if after_stop_token is not None:
-            stop_text = self.tokenizer.decode([after_stop_token], skip_special_tokens=False)
-            if stop_text and delta.startswith(stop_text):
-                delta = delta[len(stop_text):]
-        return self.encode(delta)
-
-    def assistant_ids(self, message: dict[str, Any]) -> list[int]:
-        """The ids a policy would sample for assistant `message` after the generation prompt (an SFT demonstration's turn).
-
-        The template renders the message (content and `tool_calls`) on a placeholder conversation;
-        the text between the generation prompt and the turn's stop token is tokenized and the stop
-        token appended, as the engine returns it. The template's text after the stop token
-        (e.g. a newline) belongs to the next `delta_ids`, as in the loop.
-        """
-        base = [{"role": "user", "content": "x"}]
-        if self._assistant_prefix is None:
-            self._assistant_prefix = self._render(base, None, gen_prompt=True)
-        prefix = self._assistant_prefix
-        text = self._render(base + [message], None, gen_prompt=False)
-        if not text.startswith(prefix):
-            raise ValueError("the chat template renders an assistant message differently from its generation prompt "
-                             f"{prefix[-40:]!r}; use a template whose assistant turns start with it")
-        turn = text[len(prefix):]
-        ends = {sid: turn.rfind(self.tokenizer.decode([sid], skip_special_tokens=False)) for sid in self.stop_token_ids}
-        sid, cut = max(ends.items(), key=lambda kv: kv[1])
-        if cut < 0:
-            raise ValueError(f"the chat template closes an assistant turn without a stop token {sorted(self.stop_token_ids)}"
-                             f" (rendered {turn[-40:]!r}); set the tokenizer's eos_token to the turn's end token")
-        return self.encode(turn[:cut]) + [sid]
-
-    def truncate(self, text: str, max_tokens: int, side: str) -> tuple[str, bool]:
-        """Cut `text` to at most `max_tokens` tokens; returns (text, was_cut).
-
-        `side` is the part that is cut: "left" keeps the end, "right" keeps the start, "middle"
-        keeps both ends. A marker shows the model where text was removed.
-        """
-        # Pre-cut megabyte outputs to a generous character window so tokenizing stays cheap.
-        window = max_tokens * 32
-        precut = len(text) > 2 * window
-        if precut:
-            text = {"left": text[-window:], "right": text[:window], "middle": text[: window // 2] + text[-window // 2:]}[side]
-        ids = self.encode(text)
-        if len(ids) <= max_tokens and not precut:
-            return text, False
-        marker = "...(truncated)..."
-        keep = max_tokens - len(self.encode(marker))
-        while True:
-            keep = max(min(keep, len(ids)), 0)
-            head = {"left": 0, "right": keep, "middle": keep // 2}[side]
-            head_text = self.tokenizer.decode(ids[:head]) if head else ""
-            tail_text = self.tokenizer.decode(ids[len(ids) - (keep - head):]) if keep - head else ""
-            out = head_text + marker + tail_text
-            # Re-encoding can merge or split at the cut points (or at a split UTF-8 byte): shrink until it fits.
-            excess = len(self.encode(out)) - max_tokens
-            if excess <= 0 or keep == 0:
-                return out, True
-            keep -= excess
-
-    def drift_index(self, traj: Trajectory, tools: list[dict[str, Any]] | None) -> int | None:
-        """First index where the re-rendered chat's ids differ from the trajectory's; None when they agree.
-
-        A rendered tail made only of the closing of the last turn (stop text, whitespace) is not drift.
-        """
-        ends_with_assistant = bool(traj.messages) and traj.messages[-1]["role"] == "assistant"
-        rendered = self.encode(self._render(traj.messages, tools, gen_prompt=not ends_with_assistant))
-        ours = traj.prompt_ids + traj.response_ids
-        for i, (a, b) in enumerate(zip(ours, rendered)):
-            if a != b:
-                return i
-        if len(ours) > len(rendered):
-            return len(rendered)
-        tail = self.tokenizer.decode(rendered[len(ours):], skip_special_tokens=False)
-        for sid in self.stop_token_ids:
-            tail = tail.replace(self.tokenizer.decode([sid], skip_special_tokens=False), "")
-        return None if not tail.strip() else len(ours)
 
 
 class AgentLoop:
@@ -231,6 +76,8 @@ class AgentLoop:
         self.codec = ChatCodec.for_tokenizer(tokenizer)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._parsers: dict[tuple[str, ...], ToolCallParser] = {}
+        if self.tools.names:  # the parser of samples with every tool, built now: SGLang's import, not mid-rollout
+            self._parser(self.tools.names)
         self._tasks: set[asyncio.Task] = set()  # the trajectories of every running `generate` call
         self._aborted = False
         self._over_sampled = False  # a running `generate` cut its slowest trajectories (over_sample_rate)
@@ -267,9 +114,8 @@ class AgentLoop:
         trajs: list[Trajectory] = []
         jobs = []
         for p in prompts:
-            tool_names = self.tools.select(p.tools_kwargs)
-            schemas = self.tools.schemas(tool_names) if tool_names else None
-            prompt_ids = self.codec.prompt_ids(p.messages, schemas)
+            tool_names, schemas = sample_tools(p, self.tools)
+            prompt_ids = encode_prompt(p, self.codec, self.tools)  # the ids the dataset measured, when it tokenized them
             for k in range(1 if greedy else c.n):
                 traj = self._new_trajectory(p, k, tool_names, prompt_ids)
                 trajs.append(traj)
@@ -544,42 +390,6 @@ class AgentLoop:
         m.update({f"rollout/interaction/{name}/instances_live": float(started - finalized)
                   for name, (started, finalized) in self.interactions.counts().items()})
         return m
-
-
-def rollout_metrics(trajs: list[Trajectory]) -> dict[str, float]:
-    """`rollout/*` and `timing/rollout_*` metrics of a rollout, computed from its trajectories alone."""
-    m: dict[str, float] = {"rollout/num_trajectories": float(len(trajs))}
-    reasons = Counter(t.finish_reason.value for t in trajs if t.finish_reason is not None)
-    for r in FinishReason:
-        m[f"rollout/finish/{r.value}"] = float(reasons.get(r.value, 0))
-    n = max(len(trajs), 1)
-    m["rollout/turns/assistant_mean"] = sum(t.num_assistant_turns for t in trajs) / n
-    m["rollout/turns/assistant_max"] = float(max((t.num_assistant_turns for t in trajs), default=0))
-    m["rollout/turns/user_mean"] = sum(t.num_user_turns for t in trajs) / n
-    m["rollout/response_length/mean"] = sum(len(t.response_ids) for t in trajs) / n
-    m["rollout/response_length/max"] = float(max((len(t.response_ids) for t in trajs), default=0))
-    m["rollout/sampled_tokens"] = float(sum(sum(t.response_mask) for t in trajs))
-    m["timing/rollout_generation_s"] = sum(t.generation_time_s for t in trajs)
-    m["timing/rollout_tool_s"] = sum(t.tool_time_s for t in trajs)
-    m["timing/rollout_interaction_s"] = sum(t.interaction_time_s for t in trajs)
-    calls = [c for t in trajs for c in t.tool_calls]
-    m["rollout/tool/calls"] = float(len(calls))
-    m["rollout/tool/call_rate"] = sum(bool(t.tool_calls) for t in trajs) / n  # share of samples with a call
-    m["rollout/tool/truncations"] = float(sum(c.truncated for c in calls))
-    per_tool = Counter(c.name for c in calls if c.name is not None)
-    per_tool_errors = Counter(c.name for c in calls if c.name is not None and c.error is not None)
-    for name in set(per_tool) | {name for t in trajs for name in t.tool_names}:
-        m[f"rollout/tool/{name}/calls"] = float(per_tool.get(name, 0))
-        m[f"rollout/tool/{name}/errors"] = float(per_tool_errors.get(name, 0))
-    for kind, count in Counter(c.error for c in calls if c.error is not None).items():
-        m[f"rollout/tool/errors/{kind}"] = float(count)
-    m["rollout/tool/reward_mean"] = sum(t.tool_reward for t in trajs) / n
-    scores = [s.score for t in trajs for s in t.interaction_scores]
-    m["rollout/interaction/score_mean"] = sum(scores) / len(scores) if scores else 0.0
-    drifted = [t.drift_index for t in trajs if t.drift_index is not None]
-    m["rollout/drift/count"] = float(len(drifted))
-    m["rollout/drift/first_index_min"] = float(min(drifted)) if drifted else -1.0
-    return m
 
 
 def sampling_seed(seed: int, uid: str) -> int:

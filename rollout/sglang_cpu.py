@@ -1,7 +1,8 @@
 """The only place that adapts SGLang to a CPU-only machine.
 
-On a GPU machine `engine_kwargs_for_this_machine` returns the caller's kwargs unchanged. Without a
-GPU it puts the `cpu_standins` import stand-ins on the path (SGLang's subprocesses inherit them
+`engine_kwargs_for_this_machine` is an engine process's one adapter call: `SGLangEngine` makes it as it
+starts, before it imports SGLang (in an engine actor, from the actor's `__init__`). On a GPU machine
+it returns the caller's kwargs unchanged. Without a GPU it puts the `cpu_standins` import stand-ins on the path (SGLang's subprocesses inherit them
 through PYTHONPATH), selects SGLang's own CPU engine (`SGLANG_USE_CPU_ENGINE=1`, `device="cpu"`,
 `attention_backend="torch_native"`), and bounds the KV cache: with default sizing the CPU engine
 reserves ~15 GB, so `max_total_tokens` always gets a value. At `tp_size > 1` the TP ranks' OpenMP

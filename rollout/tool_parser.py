@@ -7,7 +7,8 @@ tag, belongs to the argument), then the closing tag is expected. Whitespace arou
 free, as in verl's hermes parser: no newline after the tag, CRLF, tabs. A call object is read
 as SGLang's detectors read it (`name`, `arguments` or `parameters`; a JSON list holds several
 calls). Formats without a literal start tag go to SGLang's `FunctionCallParser` on the whole
-text.
+text. SGLang is imported when a parser is built (the loop's first sample with tools), never at
+this module's import, so importing the loop or the trainer loads no SGLang.
 
 Every call attempt becomes either a call ready to run or a `MalformedCall` with a kind and a
 message that is fed back to the model as a tool-role message (and counted as a metric);
@@ -28,9 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from sglang.srt.entrypoints.openai.protocol import Function, Tool
-from sglang.srt.function_call.function_call_parser import FunctionCallParser
-
+from rollout.config import TOOL_CALL_FORMATS
 from rollout.tools.schemas import (
     MAX_ARGUMENT_DEPTH,
     OpenAIFunctionCallSchema,
@@ -41,9 +40,6 @@ logger = logging.getLogger(__name__)
 
 _DECODER = json.JSONDecoder()
 _NAME = re.compile(r'"name"\s*:\s*"([^"\\]*)"')  # a call's tool name, read without decoding the call
-
-# Every tool-call format name SGLang's FunctionCallParser knows (the `multi_turn.format` choices).
-SUPPORTED_FORMATS = tuple(sorted(FunctionCallParser.ToolCallParserEnum))
 
 
 @dataclass
@@ -82,9 +78,14 @@ class ToolCallParser:
     """Parses assistant text into tool calls for one set of tools (one sample's tools)."""
 
     def __init__(self, schemas: list[Any], fmt: str = "qwen25"):
-        """`schemas`: the tools' schemas (polyturn's, verl's pydantic ones, or dicts)."""
-        if fmt not in FunctionCallParser.ToolCallParserEnum:
-            raise ValueError(f"tool-call format {fmt!r} is not known to SGLang's FunctionCallParser; use one of {SUPPORTED_FORMATS}")
+        """`schemas`: the tools' schemas (polyturn's, verl's pydantic ones, or dicts). SGLang is imported here, not
+        at module import: importing the loop (and the trainer) must not import SGLang before a process's CPU adapter
+        runs."""
+        from sglang.srt.entrypoints.openai.protocol import Function, Tool
+        from sglang.srt.function_call.function_call_parser import FunctionCallParser
+
+        if fmt not in TOOL_CALL_FORMATS:
+            raise ValueError(f"tool-call format {fmt!r} is not known to SGLang's FunctionCallParser; use one of {TOOL_CALL_FORMATS}")
         self.format = fmt
         ours = [OpenAIFunctionToolSchema.from_dict(s) for s in schemas]
         self.schemas = {s.function.name: s for s in ours}

@@ -157,7 +157,8 @@ class Trajectory:
         span = self.turns[-1]
         if span.role != "assistant":
             raise ValueError(f"trajectory {self.uid}: continues=True after a {span.role} segment")
-        if ids and weight_version != self._version_at(span, span.end):
+        latest = span.version_changes[-1][1] if span.version_changes else span.weight_version
+        if ids and weight_version != latest:
             span.version_changes.append((len(self.response_ids), weight_version))
         self._extend(ids, [1] * len(ids), [float(x) for x in logprobs])
         span.end = len(self.response_ids)
@@ -191,23 +192,6 @@ class Trajectory:
         (off-policy segments show as older versions)."""
         return [v for t in self.turns if t.role == "assistant" and t.weight_version is not None
                 for v in [t.weight_version, *(v for _, v in t.version_changes)]]
-
-    def token_versions(self) -> list[int]:
-        """The weight version that sampled each response token; -1 where the loop inserted it (mask 0)."""
-        out = [-1] * len(self.response_ids)
-        for span in self.turns:
-            if span.role == "assistant" and span.weight_version is not None:
-                for i in range(span.start, span.end):
-                    out[i] = self._version_at(span, i)
-        return out
-
-    @staticmethod
-    def _version_at(span: TurnSpan, index: int) -> int | None:
-        version = span.weight_version
-        for start, v in span.version_changes:
-            if index >= start:
-                version = v
-        return version
 
     @property
     def assistant_turn_ends(self) -> list[int]:

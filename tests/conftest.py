@@ -33,20 +33,22 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(_SCRATCH, ignore_errors=True)
 
 
+_DIST_BACKEND = pytest.StashKey[str]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """The test session's process start: the CPU adapter (no-op with a GPU), once, before any test
     module imports megatron."""
     from megatron_workers import cpu_compat
 
-    cpu_compat.apply_cpu_compat()
+    config.stash[_DIST_BACKEND] = cpu_compat.apply_cpu_compat()
 
 
 @pytest.fixture(scope="session")
-def dist_backend() -> str:
-    """The torch.distributed backend for Megatron ranks in this process ("gloo" without a GPU)."""
-    from megatron_workers import cpu_compat
-
-    return cpu_compat.apply_cpu_compat()
+def dist_backend(pytestconfig: pytest.Config) -> str:
+    """The torch.distributed backend for Megatron ranks in this process ("gloo" without a GPU), as the session's
+    CPU adapter answered it."""
+    return pytestconfig.stash[_DIST_BACKEND]
 
 
 @pytest.fixture(scope="module")

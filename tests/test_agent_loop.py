@@ -15,12 +15,15 @@ from typing import Any, Callable
 
 import pytest
 
-from rollout.agent_loop import AgentLoop, ChatCodec, RolloutPrompt, rollout_metrics
+from rollout.agent_loop import AgentLoop
+from rollout.chat_codec import ChatCodec
 from rollout.config import MultiTurnConfig, RolloutConfig
 from rollout.engines.base import GenerateResult
 from rollout.engines.router import EngineRouter
 from rollout.interactions.base import BaseInteraction
 from rollout.interactions.registry import InteractionRegistry
+from rollout.metrics import rollout_metrics
+from rollout.prompt import RolloutPrompt
 from rollout.tools.base import BaseTool
 from rollout.tools.registry import ToolRegistry
 from rollout.tools.schemas import OpenAIFunctionToolSchema
@@ -322,6 +325,59 @@ def test_n_samples_per_prompt_and_per_sample_tools(tokenizer):
     assert '"name": "add"' in prompt_text["c"] and '"name": "lookup"' in prompt_text["c"]
     assert add.create_kwargs.count({"seed": 1, "create_kwargs": {"seed": 1}}) == 3  # **kwargs: both verl shapes
     assert len(out) == 9
+
+
+def test_the_engine_gets_the_prompt_ids_the_dataset_measured(tokenizer, tmp_path):
+    """Contract: a prompt is tokenized once, at load, with the sample's own tool schemas: the ids the dataset's length
+    filter measures are the ids the engine receives, and the loop sends a prompt's stored ids as they are."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from recipe.data.dataset import RLDataset
+
+    tools = ToolRegistry([AddTool(), FaultyTool("lookup", "raise")])
+    question = [{"role": "user", "content": "What is 2 plus 3?"}]
+    rows = [{"data_source": "d", "prompt": question, "extra_info": {"tools_kwargs": {"add": {"create_kwargs": {"a": 1}}}}},
+            {"data_source": "d", "prompt": [{"role": "user", "content": "Look it up. " * 20}],
+             "extra_info": {"tools_kwargs": {"lookup": {"create_kwargs": {"q": "x"}}}}},
+            {"data_source": "d", "prompt": question, "extra_info": {"index": 2}}]  # no tools_kwargs: every tool
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    ds = RLDataset([path], tools, InteractionRegistry([]), tokenizer=tokenizer, max_prompt_length=4096)
+    codec = ChatCodec.for_tokenizer(tokenizer)
+    assert ds.items[0].prompt_ids == codec.prompt_ids(question, tools.schemas(["add"]))
+    assert ds.items[2].prompt_ids == codec.prompt_ids(question, tools.schemas(["add", "lookup"]))
+    engine = ScriptedEngine(tokenizer, lambda uid, turn: "done")
+    loop = AgentLoop([engine], tokenizer, RolloutConfig(response_length=64, n=2), tools, InteractionRegistry([]))
+    trajs = asyncio.run(loop.generate(ds.items))
+    sent = {request_id: ids for request_id, ids, _ in engine.calls}
+    for p in ds.items:
+        assert all(sent[f"{p.uid}/{k}#0"] == p.prompt_ids for k in range(2))
+    assert [t.prompt_ids for t in trajs] == [p.prompt_ids for p in ds.items for _ in range(2)]
+    assert all(t.drift_index is None for t in trajs)
+    # the filter measures those same ids: one token under the longest drops exactly the longest
+    lengths = [len(p.prompt_ids) for p in ds.items]
+    kept = RLDataset([path], tools, InteractionRegistry([]), tokenizer=tokenizer, max_prompt_length=max(lengths) - 1)
+    assert [p.uid for p in kept.items] == [p.uid for p in ds.items if len(p.prompt_ids) < max(lengths)]
+    # stored ids are sent as they are, never re-encoded
+    engine.calls.clear()
+    asyncio.run(_loop(tokenizer, engine).generate([_prompt("s", prompt_ids=[5, 6, 7])]))
+    assert engine.calls[0][1] == [5, 6, 7]
+
+
+def test_importing_the_loop_and_the_trainer_loads_no_sglang():
+    """Contract: importing the agent loop, the trainer or the driver's entry point imports no SGLang (the tool-call
+    parser imports it when one is built), so every process applies its CPU adapter before SGLang is loaded."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, recipe.trainer, rollout.agent_loop, recipe.main_ppo\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sglang', 'sgl_kernel')))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == "[]"
 
 
 def test_unknown_tool_or_interaction_refused_before_running(tokenizer):

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from rollout.agent_loop import AgentLoop, RolloutPrompt
+from rollout.agent_loop import AgentLoop
 from rollout.config import MultiTurnConfig, RolloutConfig
 from rollout.interactions.registry import InteractionRegistry
+from rollout.prompt import RolloutPrompt
 from rollout.tools.registry import ToolRegistry
 from tests.test_agent_loop_sglang import RegexSteeredEngine
 

@@ -123,11 +123,11 @@ def test_a_partial_rollout_splits_a_turn_into_two_versions_where_the_update_land
     answer = tokenizer.encode(_long_answer("q/0", 0), add_special_tokens=False) + [tokenizer.eos_token_id]
     assert traj.finish_reason is FinishReason.STOP and traj.num_assistant_turns == 1
     assert traj.response_ids == answer and traj.response_mask == [1] * len(answer)
-    assert traj.token_versions() == [0] * cut + [1] * (len(answer) - cut)
+    assert [(s.role, s.start, s.end, s.weight_version) for s in traj.turns] == [("assistant", 0, len(answer), 0)]
     assert traj.weight_versions == [0, 1] and traj.turns[0].version_changes == [(cut, 1)]
     assert traj.messages[-1]["content"] == tokenizer.decode(answer[:-1])
     traj.check_invariants()
-    assert Trajectory.from_dict(traj.to_dict()).token_versions() == traj.token_versions()
+    assert Trajectory.from_dict(traj.to_dict()).turns == traj.turns
 
 
 def test_tools_and_interactions_live_once_through_a_pause_mid_turn(tokenizer):
@@ -267,7 +267,7 @@ def test_fully_async_trains_no_token_older_than_the_bound_under_a_long_tail_of_t
     trainer.close()
     assert len(seen) == 10 and all(len(trajs) == 8 for _, trajs in seen)
     for actor_version, trajs in seen:
-        oldest = min(v for t in trajs for v in t.token_versions() if v >= 0)
+        oldest = min(v for t in trajs for v in t.weight_versions)
         assert actor_version - oldest <= 1
     m = trainer.tracker.metrics
     past = sum(m[k][f"rollout/staleness/{'dropped' if policy == 'drop' else 'regenerated'}_groups"] for k in m)

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rollout.agent_loop import RolloutPrompt
 from rollout.interactions.registry import InteractionRegistry
+from rollout.prompt import RolloutPrompt
 from rollout.tools.registry import ToolRegistry
 from tests.test_agent_loop import ScriptedEngine, _call, _loop, tokenizer  # noqa: F401  (fixture)
 

@@ -24,7 +24,8 @@ from recipe.batch import collate
 from recipe.config_schema import ConfigError, ModelConfig, flat_keys
 from recipe.data.sft_dataset import SFT_KEYS, SFTDataset
 from recipe.sft_config import SFT, SFTConfig
-from rollout.agent_loop import ChatCodec, RolloutPrompt
+from rollout.chat_codec import ChatCodec
+from rollout.prompt import RolloutPrompt
 from rollout.tools.registry import ToolRegistry
 from tests.test_agent_loop import AddTool, ScriptedEngine, ScriptedUser, _call, _loop
 

@@ -418,7 +418,8 @@ def test_verls_gsm8k_yaml_drive_a_multi_turn_rollout_on_sglang(sglang_engine, ti
     the trajectory's record."""
     from transformers import AutoTokenizer
 
-    from rollout.agent_loop import AgentLoop, RolloutPrompt
+    from rollout.agent_loop import AgentLoop
+    from rollout.prompt import RolloutPrompt
     from rollout.config import MultiTurnConfig, RolloutConfig
     from rollout.trajectory import FinishReason
     from tests.test_agent_loop_sglang import (

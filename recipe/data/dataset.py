@@ -6,9 +6,12 @@ whose `interaction_kwargs` routes to an unknown interaction, is refused naming t
 row and the fix, so a typo in the data stops the run before the first rollout instead of
 failing one sample at a time mid-run.
 
-Where it departs from verl's `RLHFDataset`: rows are not tokenized here (the agent loop
-renders the chat template with each sample's own tool schemas); a tokenizer is used only to
-drop prompts longer than `max_prompt_length`, as verl's `filter_overlong_prompts` does.
+With a tokenizer, each prompt is tokenized here, once, the way the engine gets it: the chat
+template with the sample's own tool schemas and the generation prompt (`rollout.prompt.encode_prompt`,
+the rollout's `ChatCodec`). The ids ride on the prompt (`RolloutPrompt.prompt_ids`) and the agent
+loop sends exactly them, so prompts longer than `max_prompt_length` are dropped (verl's
+`filter_overlong_prompts`) by the length of the very sequence the engine would see.
+
 When a plug-in kind is not configured at all (no tool config / no interaction config), the
 rows' `tools_kwargs` / `interaction_kwargs` are ignored (logged once), as in verl. A null
 entry of `tools_kwargs` is dropped: parquet stores it as a struct over the tool names of all
@@ -24,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rollout.agent_loop import RolloutPrompt
+from rollout.chat_codec import ChatCodec
 from rollout.interactions.registry import InteractionRegistry
+from rollout.prompt import RolloutPrompt, encode_prompt
 from rollout.tools.registry import ToolRegistry
 
 logger = logging.getLogger(__name__)
@@ -83,14 +87,12 @@ class RLDataset:
         self.items: list[RolloutPrompt] = []
         dropped_kinds: set[str] = set()
         overlong = 0
+        codec = ChatCodec.for_tokenizer(tokenizer) if tokenizer is not None else None
         for where, row in read_parquet_rows(files):
             prompt = self._validate(where, row, tools, interactions, dropped_kinds)
-            if tokenizer is not None and max_prompt_length is not None:
-                selected = tools.select(prompt.tools_kwargs)
-                schemas = tools.schemas(selected) if selected else None
-                ids = tokenizer.apply_chat_template(prompt.messages, tools=schemas, add_generation_prompt=True,
-                                                    tokenize=True, return_dict=False)
-                if len(ids) > max_prompt_length:
+            if codec is not None:
+                prompt.prompt_ids = encode_prompt(prompt, codec, tools)  # what the engine will get
+                if max_prompt_length is not None and len(prompt.prompt_ids) > max_prompt_length:
                     overlong += 1
                     continue
             self.items.append(prompt)

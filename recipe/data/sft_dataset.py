@@ -3,7 +3,7 @@
 A row holds a `messages` column (chat messages: system / user / assistant with optional
 `tool_calls` / tool) and an optional `tools` column (OpenAI function schemas, as a list or a
 JSON string). Each conversation becomes the same record a rollout produces, built the way the
-agent loop builds it (`rollout.agent_loop.ChatCodec`, `rollout.trajectory.Trajectory`):
+agent loop builds it (`rollout.chat_codec.ChatCodec`, `rollout.trajectory.Trajectory`):
 
 - the messages before the first assistant turn, with the row's tool schemas and the generation
   prompt, are the prompt (`ChatCodec.prompt_ids`);
@@ -37,7 +37,7 @@ import torch
 
 from recipe.batch import collate
 from recipe.data.dataset import epoch_batches, read_parquet_rows
-from rollout.agent_loop import ChatCodec
+from rollout.chat_codec import ChatCodec
 from rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)

@@ -89,12 +89,9 @@ class EngineActor:
 
 
 def engine_runtime_env(ray_options: dict[str, Any]) -> dict[str, Any]:
-    """`ray_options["runtime_env"]` plus what an engine process needs: the repo (and, without a GPU,
-    the CPU import stand-ins, which `cpu_standins.activate()` put on this process's PYTHONPATH) on
-    PYTHONPATH, so the actor and SGLang's subprocesses import them first."""
-    import cpu_standins
-
-    cpu_standins.activate()
+    """`ray_options["runtime_env"]` plus what an engine process needs: the repo and this process's PYTHONPATH (the
+    CPU import stand-ins, when its start applied the CPU adapter), so the actor imports them first; the actor adapts
+    itself to the machine when it starts its engine (`sglang_cpu.engine_kwargs_for_this_machine`)."""
     env = dict(ray_options.get("runtime_env") or {})
     env_vars = dict(env.get("env_vars") or {})
     parts = [str(_REPO_ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep), env_vars.get("PYTHONPATH", "")]

@@ -77,3 +77,6 @@ sample_index
 
 # Seams the tests use to observe processes (rollout/tools/sandbox_pool.py).
 _.idle_pids
+# asyncio keeps only weak references to tasks: recipe/engine_faults.py holds the rollout's abort task so the event
+# loop does not drop it before it runs.
+_._aborting

@@ -175,6 +175,7 @@ def profile_tensor_path(group: Any, engine: Any, model_dir: Path, bucket_bytes: 
     import ray
     from safetensors.torch import load_file
 
+    from megatron_workers.sync_plan import SyncPlan
     from megatron_workers.weights import (
         BucketBuffers,
         MemoryMeter,
@@ -183,16 +184,16 @@ def profile_tensor_path(group: Any, engine: Any, model_dir: Path, bucket_bytes: 
         stream_buckets,
     )
 
-    stats_plan = {"mode": "stats", "bucket_bytes": bucket_bytes, "dtype": "bfloat16", "checksums": False,
-                  "key": "profile"}
+    stats_plan = SyncPlan(transport="none", bucket_bytes=bucket_bytes, dtype="bfloat16", checksums=False,
+                          key="profile")
     t0 = time.perf_counter()
-    sent = [r for r in group.call_all("send_weights", stats_plan) if r]
+    sent = [r for r in group.send_weights(stats_plan) if r]
     export_wall = time.perf_counter() - t0
     state = load_file(str(model_dir / "model.safetensors"))  # the HF tensors the engine loads, bf16
     named = list(state.items())
     plan = list(bucket_by_bytes(named, bucket_bytes))
     serialize_s = load_s = 0.0
-    engine.call("begin_weight_update")
+    engine.begin_weight_update()
     for b in stream_buckets(iter(named), plan, MemoryMeter(), BucketBuffers()):  # bucket k reuses k-2's buffer
         t0 = time.perf_counter()
         payload = serialize(b.named_tensors())
@@ -200,7 +201,7 @@ def profile_tensor_path(group: Any, engine: Any, model_dir: Path, bucket_bytes: 
         t0 = time.perf_counter()
         ray.get(engine.handle.load_payload.remote(f"profile/bucket{b.index}", 0, payload))
         load_s += time.perf_counter() - t0
-    engine.call("end_weight_update")  # the same weights as the last sync: the version stays
+    engine.end_weight_update()  # the same weights as the last sync: the version stays
     return {"export_s": max(r["seconds"] for r in sent), "export_wall_s": export_wall,
             "serialize_s": serialize_s, "engine_load_s": load_s}
 

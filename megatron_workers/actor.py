@@ -28,6 +28,7 @@ from megatron_workers.config import ActorConfig
 from megatron_workers.logprobs import linear_logprobs_entropy
 from megatron_workers.micro_batches import Batch, MicroBatch, validate_batch
 from megatron_workers.runner import LossFn, MegatronRunner
+from megatron_workers.sync_plan import GroupAddress, SyncPlan
 
 
 def sft_loss(mb: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -111,20 +112,20 @@ class MegatronActor(MegatronRunner):
         validate_batch(batch)
         return self._train(batch, sft_loss, num_mini_batches, 1, "sft")
 
-    # -- weight sync (driven by recipe.weight_sync; engine handles arrive as plain data) ----------
+    # -- weight sync (driven by recipe.weight_sync through the worker group; plain data: sync_plan) ----------------
 
-    def weight_sync_endpoint(self) -> Optional[dict[str, Any]]:
+    def weight_sync_endpoint(self) -> Optional[GroupAddress]:
         """Distributed path: where this stage's sender hosts its group (None on non-senders)."""
         return self._weight_sender.endpoint()
 
-    def init_weight_sync_groups(self, groups: dict[int, dict[str, Any]]) -> None:
+    def init_weight_sync_groups(self, groups: dict[int, GroupAddress]) -> None:
         """Distributed path: each stage's sender hosts the group the engines join (`WeightSender.init_groups`)."""
         self._weight_sender.init_groups(groups)
 
     def destroy_weight_sync_groups(self) -> None:
         self._weight_sender.destroy_groups()
 
-    def send_weights(self, plan: dict[str, Any]) -> Optional[dict[str, Any]]:
+    def send_weights(self, plan: SyncPlan) -> Optional[dict[str, Any]]:
         """Stream this stage's weights to the engines (`WeightSender.send`); collective over the TP group. Offloaded
         parameters come back to the device for it (the trainer syncs after the offload that follows training)."""
         with self.params_on_device():

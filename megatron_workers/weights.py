@@ -24,11 +24,11 @@ sync, of bucket bytes in use plus, by gather, the full tensor being copied in (c
 uncounted when released); the TP gather's shard list, as large as that tensor and freed before the
 next one, is not counted.
 
-Two live paths, chosen by the caller (plain data in, plain metrics out):
+Two live transports, chosen by the caller's `sync_plan.SyncPlan` (plain data in, plain metrics out):
 
 - tensor: each serializing rank pickles the bucket's tensors by handle (`serialize`: CUDA IPC handles
   on GPUs; on CPU the shared-memory buffer's name, which each engine process maps once and keeps) once
-  per engine TP rank it serves, and calls that engine actor's `load_payload` by name. The engine
+  per engine TP rank it serves, and calls that engine actor's `load_payload` method. The engine
   loads a bucket once all its TP ranks' payloads arrived; the sender keeps the bucket alive
   until then.
 - distributed: the stage's sender is rank 0 of a process group that every engine TP rank joins
@@ -36,8 +36,8 @@ Two live paths, chosen by the caller (plain data in, plain metrics out):
   to `_new_process_group_helper`; engine i's ranks at offset 1 + sum of earlier engines' TP
   sizes). Per bucket the sender asks each engine to receive, then broadcasts the flat bucket.
 
-Engine actor handles arrive as plain data and are called by method name; this module imports
-nothing from rollout or SGLang. Where it departs from verl/slime: no rank ever holds the whole
+Engine actor handles arrive as plain data (`SyncPlan.engines`) and their Ray methods `load_payload` and
+`update_weights_from_distributed` are called; this module imports nothing from rollout or SGLang. Where it departs from verl/slime: no rank ever holds the whole
 model, and pipeline stages sync in parallel instead of through a PP broadcast.
 """
 from __future__ import annotations
@@ -59,6 +59,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing  # registers torch's tensor reductions with ForkingPickler
+
+from megatron_workers.sync_plan import GroupAddress, SyncPlan
 
 NamedTensor = tuple[str, torch.Tensor]
 
@@ -386,6 +388,10 @@ def send_stage(buckets: Iterator[Bucket], meter: MemoryMeter, *, ship, checksums
             "peak_extra_bytes": float(meter.peak), "stats": stats}
 
 
+def _ship_nothing(b: Bucket) -> None:
+    """Ship nothing: checksums only, or a rank that only helps fill (or gather to) the senders' buckets."""
+
+
 def tensor_stats(t: torch.Tensor, chunk: int = 1 << 20) -> list[float]:
     """[sum, abs_sum, sum_of_squares] in float64, a chunk at a time (no float64 copy of the tensor).
     The engine's probe (`rollout.engines.weight_probe`) computes the same on what it serves."""
@@ -402,11 +408,11 @@ def tensor_stats(t: torch.Tensor, chunk: int = 1 << 20) -> list[float]:
 class WeightSender:
     """One Megatron rank's side of weight sync (held by the actor role, driven by `recipe.weight_sync`).
 
-    Tensor path: the ranks `plan["serializers"]` names export, each for the engine TP ranks on its own GPU, so
-    every data-parallel replica that shares GPUs with an engine takes part; a replica's stage whose ranks serialize
+    Tensor path: the ranks `plan.serializers` names export, each for the engine TP ranks on its own GPU, so every
+    data-parallel replica that shares GPUs with an engine takes part; a replica's stage whose ranks serialize
     nothing skips the sync. Other paths: data-parallel replica 0 exports. In each pipeline stage the TP ranks
     fill the buckets of the rank(s) that send them, in place or by gather (module docstring); engine handles come in
-    `plan` and are called by method name.
+    `plan.engines`.
     """
 
     def __init__(self) -> None:
@@ -422,9 +428,9 @@ class WeightSender:
         return (mpu.get_tensor_model_parallel_rank(), mpu.get_pipeline_model_parallel_rank(),
                 mpu.get_data_parallel_rank())
 
-    def endpoint(self) -> dict[str, Any] | None:
-        """On each stage's distributed-path sender (TP rank 0, DP rank 0): its stage, an address and
-        free port to host a group on, and torch.distributed's backend. None on other ranks."""
+    def endpoint(self) -> GroupAddress | None:
+        """On each stage's distributed-path sender (TP rank 0, DP rank 0): where it can host its stage's group.
+        None on other ranks."""
         import ray
 
         from megatron_workers.ports import free_port
@@ -432,59 +438,47 @@ class WeightSender:
         tp_rank, stage, dp_rank = self._position()
         if tp_rank or dp_rank:
             return None
-        return {"stage": stage, "address": ray.util.get_node_ip_address(), "port": free_port(""),
-                "backend": dist.get_backend()}
+        return GroupAddress(stage, ray.util.get_node_ip_address(), free_port(""), dist.get_backend())
 
-    def init_groups(self, groups: dict[int, dict[str, Any]]) -> None:
-        """Host this stage's group (`groups[stage]`: address, port, world_size, group_name, backend)."""
+    def init_groups(self, groups: dict[int, GroupAddress]) -> None:
+        """Host this stage's group (`groups[stage]`, named and sized by the driver)."""
         tp_rank, stage, dp_rank = self._position()
         g = groups.get(stage)
         if g is None or tp_rank or dp_rank:
             return
-        self._groups[g["group_name"]] = init_sender_group(g["address"], g["port"], g["world_size"],
-                                                          g["group_name"], g["backend"])
+        self._groups[g.group_name] = init_sender_group(g.address, g.port, g.world_size, g.group_name, g.backend)
 
     def destroy_groups(self) -> None:
         for pg in self._groups.values():
             dist.destroy_process_group(pg)
         self._groups.clear()
 
-    def send(self, chunks: list[torch.nn.Module], hf_config: Any, plan: dict[str, Any]) -> dict[str, Any] | None:
-        """Export this stage's tensors (of all its model chunks) and ship them by `plan["mode"]`:
+    def send(self, chunks: list[torch.nn.Module], hf_config: Any, plan: SyncPlan) -> dict[str, Any] | None:
+        """Export this stage's tensors (of all its model chunks) and ship them by `plan.transport` (see `SyncPlan`).
 
-        - "tensor": `plan["serializers"][global rank]` lists the (engine index, engine TP rank) copies that
-          rank serializes; `plan["engines"]` are the engine actor handles.
-        - "distributed": the stage sender broadcasts over `plan["groups"][stage]` (a group name); stages not in
-          `plan["groups"]` send nothing.
-        - "stats": ship nothing (expected checksums for a sync done another way, e.g. from disk).
-
-        Also `bucket_bytes`, `dtype` (engine dtype name), `key` (unique per sync), `checksums` (bool).
-        Returns metrics on ranks that received tensors, None elsewhere.
+        Returns metrics (seconds, bytes, buckets, peak_extra_bytes, stats) on ranks that received tensors, None
+        elsewhere.
         """
         from megatron.core import parallel_state as mpu
 
         from megatron_workers.adapters import iter_stage_hf_tensors, place_stage_shards, stage_hf_tensor_shapes
 
         tp_rank, stage, dp_rank = self._position()
-        mode, engines = plan["mode"], plan.get("engines", [])
-        if mode not in ("tensor", "distributed", "stats"):
-            raise ValueError(f"weight sync mode {mode!r} is not one of tensor, distributed, stats")
         tp_group = mpu.get_tensor_model_parallel_group()
-        if mode == "tensor":
-            serializers = {int(k): v for k, v in plan["serializers"].items()}
+        if plan.transport == "tensor":
             peers = dist.get_process_group_ranks(tp_group)  # this stage's TP group
-            senders = [peers.index(g) for g in peers if g in serializers]  # TP positions that serialize
+            senders = [peers.index(g) for g in peers if g in plan.serializers]  # TP positions that serialize
             if not senders:
                 return None  # no engine TP rank sits on this replica's GPUs for this stage
-            mine = serializers.get(dist.get_rank(), [])
-        elif dp_rank or (mode == "distributed" and stage not in plan["groups"]):  # the driver ships a stage at a time
+            mine = plan.serializers.get(dist.get_rank(), ())
+        elif dp_rank or (plan.transport == "distributed" and stage not in plan.groups):  # a stage at a time
             return None
         else:
-            mine, senders = [], [0]
-        dtype = getattr(torch, plan["dtype"])
+            mine, senders = (), [0]
+        dtype = getattr(torch, plan.dtype)
         shapes = stage_hf_tensor_shapes(hf_config, stage, mpu.get_pipeline_model_parallel_world_size(), len(chunks))
         metas = [(n, torch.empty(s, dtype=dtype, device="meta")) for n, s in shapes.items()]
-        buckets = list(bucket_by_bytes(metas, plan["bucket_bytes"]))
+        buckets = list(bucket_by_bytes(metas, plan.bucket_bytes))
         meter = MemoryMeter()
         if len(senders) == 1 and self._fills_in_place(chunks, tp_group):  # all write their shards into its buckets
             receives = is_owner = tp_rank == senders[0]
@@ -502,32 +496,35 @@ class WeightSender:
             receives = dst is None or tp_rank == dst
             tensors = iter_stage_hf_tensors(chunks, hf_config, dst_tp_rank=dst, dtype=dtype)
             filled = stream_buckets(tensors, buckets if receives else [], meter, self._buffers)
-        if not receives or mode == "stats":
-            def ship(b: Bucket) -> None:  # stats, or a rank that only helps fill (or gather to) the senders' buckets
-                pass
-        elif mode == "tensor":
-            def ship(b: Bucket) -> None:
-                import ray
-
-                named = b.named_tensors()
-                key = f"{plan['key']}/stage{stage}/bucket{b.index}"
-                ray.get([engines[i].load_payload.remote(key, r, serialize(named)) for i, r in mine])
-        else:
-            pg = self._groups[plan["groups"][stage]]
-
-            def ship(b: Bucket) -> None:
-                import ray
-
-                names, dtypes, shapes = [s[0] for s in b.slots], [s[1] for s in b.slots], [list(s[2]) for s in b.slots]
-                refs = [e.update_weights_from_distributed.remote(names, dtypes, shapes, group_name=plan["groups"][stage])
-                        for e in engines]
-                dist.broadcast(b.flat, src=0, group=pg)
-                ray.get(refs)
+        ship = self._shipper(plan, stage, mine) if receives else _ship_nothing
         try:
-            out = send_stage(filled, meter, ship=ship, checksums=receives and plan.get("checksums", False))
+            out = send_stage(filled, meter, ship=ship, checksums=receives and plan.checksums)
         finally:
             self._buffers.release_device()
         return out if receives and out["bytes"] else None
+
+    def _shipper(self, plan: SyncPlan, stage: int, mine: tuple[tuple[int, int], ...]) -> Callable[[Bucket], None]:
+        """How this rank ships one bucket of `stage` under `plan` (`mine`: the tensor path's copies it makes)."""
+        import ray
+
+        if plan.transport == "none":  # checksums only
+            return _ship_nothing
+        if plan.transport == "tensor":
+            def ship(b: Bucket) -> None:
+                named = b.named_tensors()
+                key = f"{plan.key}/stage{stage}/bucket{b.index}"
+                ray.get([plan.engines[i].load_payload.remote(key, r, serialize(named)) for i, r in mine])
+            return ship
+        name = plan.groups[stage]
+        pg = self._groups[name]
+
+        def ship(b: Bucket) -> None:
+            names, dtypes, shapes = [s[0] for s in b.slots], [s[1] for s in b.slots], [list(s[2]) for s in b.slots]
+            refs = [e.update_weights_from_distributed.remote(names, dtypes, shapes, group_name=name)
+                    for e in plan.engines]
+            dist.broadcast(b.flat, src=0, group=pg)
+            ray.get(refs)
+        return ship
 
     def _fills_in_place(self, chunks: list[torch.nn.Module], tp_group: Any) -> bool:
         """Whether this stage's TP ranks fill each bucket together, in shared host memory, instead of gathering

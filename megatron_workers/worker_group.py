@@ -45,6 +45,7 @@ import torch
 
 from megatron_workers import cpu_compat
 from megatron_workers.ports import free_port
+from megatron_workers.sync_plan import GroupAddress, SyncPlan
 
 logger = logging.getLogger(__name__)
 
@@ -272,6 +273,27 @@ class MegatronWorkerGroup:
         results = self._get(futures, method)
         by_dp = {info.dp_rank: r for info, r in zip(self.ranks, results) if info.is_collector}
         return [by_dp[d] for d in range(self.layout.dp)]
+
+    # -- weight sync: the actor role's sender (`MegatronActor`), driven by recipe.weight_sync -----------------------
+
+    def send_weights(self, plan: SyncPlan) -> list[Optional[dict[str, Any]]]:
+        """Every rank streams its stage's weights under `plan`; each rank's metrics (None where it shipped nothing)."""
+        return self.call_all("send_weights", plan)
+
+    def export_hf(self, path: str) -> None:
+        """Write the model as an HF checkpoint to `path` (a collective; rank 0 writes)."""
+        self.call_all("export_hf", path)
+
+    def weight_sync_endpoints(self) -> list[GroupAddress]:
+        """Distributed path: one address per pipeline stage, where its sender can host the stage's group."""
+        return [a for a in self.call_all("weight_sync_endpoint") if a is not None]
+
+    def init_weight_sync_groups(self, groups: dict[int, GroupAddress]) -> None:
+        """Distributed path: each stage's sender hosts `groups[stage]` (returns once every engine rank joined)."""
+        self.call_all("init_weight_sync_groups", groups)
+
+    def destroy_weight_sync_groups(self) -> None:
+        self.call_all("destroy_weight_sync_groups")
 
     def _call(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
         """Submit `role.method(*args, **kwargs)` to `rank` as the Ray task `<role>.rank<r>.<method>`."""

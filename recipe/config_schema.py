@@ -35,6 +35,7 @@ from megatron_workers.config import ActorConfig, OptimConfig, WorkerConfig
 from recipe.algos import AlgorithmConfig, PolicyLossConfig, ValueLossConfig
 from recipe.checkpoint import RESUME_MODES
 from recipe.reward import CustomRewardFunctionConfig, RewardConfig
+from recipe.weight_sync import MODES as SYNC_MODES
 from rollout.config import RolloutConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -244,6 +245,9 @@ class ActorRolloutRefConfig:
     def __post_init__(self) -> None:
         if self.model.enable_gradient_checkpointing:
             self.actor.megatron.recompute_activations()
+        if self.rollout.update_weights_mode not in (None, *SYNC_MODES):
+            raise ConfigError(f"actor_rollout_ref.rollout.update_weights_mode is {self.rollout.update_weights_mode!r}; "
+                              f"use one of {SYNC_MODES} or null (by placement mode)")
 
 
 @dataclass

@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TRUNCATE_SIDES = ("left", "right", "middle")
-UPDATE_WEIGHTS_MODES = ("tensor", "distributed", "disk")
 
 # The tool-call formats of SGLang's FunctionCallParser (sglang 0.5.23); listed here so that
 # validating a config imports no SGLang. tests/test_config.py checks it against SGLang's own list.
@@ -119,8 +118,9 @@ class RolloutConfig:
     update_weights_bucket_megabytes: int = 512
     """Weight-sync bucket size."""
     update_weights_mode: str | None = None
-    """Weight-sync path: "tensor" (hand-over on the engines' GPUs), "distributed" (broadcast over a process
-    group), "disk" (HF checkpoint, the fallback); None: tensor with hybrid_engine, distributed without."""
+    """Weight-sync path (`recipe.weight_sync.PATHS`): "tensor" (hand-over on the engines' GPUs), "distributed"
+    (broadcast over a process group), "disk" (HF checkpoint, the fallback); None: tensor with hybrid_engine,
+    distributed without."""
     deterministic: bool = False
     """Reproducible rollouts: each trajectory samples with a seed of its own (from trainer.seed, the step and its
     uid; SGLang's `sampling_seed`) on engines started with SGLang's `enable_deterministic_inference`, so its tokens
@@ -173,8 +173,5 @@ class RolloutConfig:
             raise ValueError(f"{p}.temperature is {self.temperature}; it must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"{p}.top_p is {self.top_p}; it must lie in (0, 1]")
-        if self.update_weights_mode not in (None, *UPDATE_WEIGHTS_MODES):
-            raise ValueError(f"{p}.update_weights_mode is {self.update_weights_mode!r}; use one of "
-                             f"{UPDATE_WEIGHTS_MODES} or null (by placement mode)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"{p}.gpu_memory_utilization is {self.gpu_memory_utilization}; it must lie in (0, 1]")

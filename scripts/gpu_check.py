@@ -159,6 +159,7 @@ def run(backend: str, small: bool, rows: int | None, configured_peak: float | No
     from megatron_workers.adapters import hf_tensor_shapes
     from megatron_workers.config import ActorConfig, MegatronConfig, OptimConfig
     from megatron_workers.ports import free_port
+    from megatron_workers.sync_plan import SyncPlan
     from recipe.algos import PolicyLossConfig, policy_loss
     from recipe.flops import ModelFlops
 
@@ -217,8 +218,8 @@ def run(backend: str, small: bool, rows: int | None, configured_peak: float | No
             mfu = 2 * ModelFlops.from_hf_config(hf_config).training(seq_lens) / (seconds * peak * 1e12) \
                 if peak else None
 
-            plan = {"mode": "stats", "bucket_bytes": BUCKET_BYTES, "dtype": "bfloat16", "key": "gpu_check",
-                    "checksums": True}
+            plan = SyncPlan(transport="none", bucket_bytes=BUCKET_BYTES, dtype="bfloat16", key="gpu_check",
+                            checksums=True)
             actor.send_weights(plan)  # warm-up: the first export allocates the buckets' memory
             export = actor.send_weights(plan)
             want = sum(math.prod(s) for s in hf_tensor_shapes(hf_config).values()) * torch.bfloat16.itemsize

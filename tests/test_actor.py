@@ -579,6 +579,7 @@ def test_virtual_pipeline_stages_change_the_schedule_not_the_math(groups, four_l
     from safetensors.torch import load_file
 
     from megatron_workers.critic import MegatronCritic
+    from megatron_workers.sync_plan import SyncPlan
     from megatron_workers.worker_group import concat_results
     from recipe import checkpoint, export_hf
 
@@ -598,12 +599,12 @@ def test_virtual_pipeline_stages_change_the_schedule_not_the_math(groups, four_l
     assert values["plain"].abs().sum() > 0
     torch.testing.assert_close(values["virtual"], values["plain"], rtol=0, atol=1e-5)
 
-    plan = {"mode": "stats", "bucket_bytes": 1 << 16, "dtype": "float32", "key": "vpp", "checksums": True}
+    plan = SyncPlan(transport="none", bucket_bytes=1 << 16, dtype="float32", key="vpp", checksums=True)
     train = ppo_batch(model_dir)
     results = {}
     for name, group in (("plain", plain), ("virtual", virtual)):
         build_actor(group, model_dir, ppo_micro_batch_size_per_gpu=3)
-        sent = [out["stats"] for out in group.call_all("send_weights", plan) if out is not None]
+        sent = [out["stats"] for out in group.send_weights(plan) if out is not None]
         stats = {k: v for per_stage in sent for k, v in per_stage.items()}
         assert sum(len(per_stage) for per_stage in sent) == len(stats), "a tensor was exported by two stages"
         results[name] = stats, update(group, train, mini_batch_size=4), hf_weights(group)

@@ -151,9 +151,10 @@ def test_the_sender_fills_the_same_buckets_in_place_and_by_gather(world_of_one, 
     """Contract: the two ways a weight-sync sender fills its buckets (every TP rank writing its shards in place in
     shared memory; every tensor gathered to the sender and re-split) give the same tensors, bit for bit (the same
     checksums, bytes and buckets), for bf16 and for fp32 parameters to a bf16 engine."""
+    from megatron_workers.sync_plan import SyncPlan
     from megatron_workers.weights import WeightSender
 
-    plan = {"mode": "stats", "bucket_bytes": 1 << 16, "dtype": "bfloat16", "key": "fill", "checksums": True}
+    plan = SyncPlan(transport="none", bucket_bytes=1 << 16, dtype="bfloat16", key="fill", checksums=True)
     for dtype in ("bfloat16", "float32"):
         actor = _actor(trained_init_model, dtype)
         sent = {}

@@ -17,6 +17,7 @@ def test_syncs_checkpoints_and_exports_of_an_offloaded_actor_bring_its_params_ba
     from megatron_workers import checkpoint, model as mmodel
     from megatron_workers.actor import MegatronActor
     from megatron_workers.config import ActorConfig, OptimConfig
+    from megatron_workers.sync_plan import SyncPlan
 
     actor = MegatronActor(tiny_model_dir, ActorConfig(optim=OptimConfig(lr=1e-5, use_distributed_optimizer=False)))
     events: list = []
@@ -36,7 +37,7 @@ def test_syncs_checkpoints_and_exports_of_an_offloaded_actor_bring_its_params_ba
     monkeypatch.setattr(checkpoint, "load_rank", recorded("load", checkpoint.load_rank))
     monkeypatch.setattr(checkpoint, "export_hf", recorded("export_hf", checkpoint.export_hf))  # the disk sync's
     monkeypatch.setattr(mmodel, "export_hf_state_dict", recorded("hf_state_dict", mmodel.export_hf_state_dict))
-    plan = {"mode": "stats", "bucket_bytes": 1 << 20, "dtype": "float32", "key": "offloaded"}
+    plan = SyncPlan(transport="none", bucket_bytes=1 << 20, dtype="float32", key="offloaded", checksums=False)
 
     resident = actor.send_weights(plan)
     assert events == ["export"], "a resident actor moves nothing"

@@ -111,6 +111,20 @@ def test_configs_that_cannot_fit_are_refused_before_ray_starts(data_file):
     assert not ray.is_initialized()
 
 
+@pytest.mark.unit
+def test_an_unknown_sync_path_is_refused_naming_the_key_and_the_paths(data_file):
+    """Contract: update_weights_mode is checked against the one registry of sync paths (`recipe.weight_sync.PATHS`)
+    when the config is built."""
+    import re
+
+    from recipe.weight_sync import PATHS
+
+    with pytest.raises(ConfigError, match=re.escape(f"update_weights_mode is 'nccl'; use one of {tuple(PATHS)}")):
+        config(data_file, ["actor_rollout_ref.rollout.update_weights_mode=nccl"])
+    for mode in PATHS:
+        assert config(data_file, [f"actor_rollout_ref.rollout.update_weights_mode={mode}"])
+
+
 class Placeholder:
     """Stands in for a Megatron rank or an engine actor: reports what Ray gave it."""
 

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from megatron_workers import adapters, parallel
 from megatron_workers import model as mmodel
 from megatron_workers.ports import free_port
-from tests.test_sglang_engine import PROMPTS, _hf_greedy
+from tests.test_sglang_engine import PROMPTS, _hf_greedy, load_tensors
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +68,7 @@ def test_sync_into_sglang_serves_the_megatron_qwen3_weights(dist_backend, qwen3_
             for param in gpt.parameters():
                 param.mul_(1 + 0.3 * torch.randn(param.shape, generator=gen))
         exported = dict(adapters.iter_stage_hf_tensors(gpt, hf_config))
-        qwen3_engine.update_weights_from_tensor(exported.items(), weight_version=1)
+        load_tensors(qwen3_engine, exported.items(), weight_version=1)
     finally:
         parallel.destroy()
     assert any(name.endswith("q_norm.weight") for name in exported)

@@ -57,6 +57,17 @@ def test_greedy_ids_and_logprobs_match_transformers(sglang_engine, tiny_model_di
     assert len({tuple(r.output_ids) for r in results}) > 1, "the tiny model should not answer every prompt alike"
 
 
+def load_tensors(engine, named_tensors, *, weight_version: int) -> None:
+    """Load HF-named full tensors as the tensor path's senders do: one session, one bucket serialized by handle for
+    every engine TP rank (`megatron_workers.weights.serialize`), closed under `weight_version`."""
+    from megatron_workers.weights import serialize
+
+    payload = serialize(list(named_tensors))
+    engine.begin_weight_update()
+    engine.update_weights_from_serialized([payload] * engine.tp_size)
+    engine.finish_weight_update(weight_version=weight_version)
+
+
 @pytest.mark.integration
 def test_weight_update_from_tensor_then_disk_restores(sglang_engine, tiny_model_dir):
     """A tensor update changes what is served and its version, and drops the prefix cache of the old weights;
@@ -69,8 +80,8 @@ def test_weight_update_from_tensor_then_disk_restores(sglang_engine, tiny_model_
     v0 = sglang_engine.weight_version
     state = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
     gen = torch.Generator().manual_seed(1)
-    sglang_engine.update_weights_from_tensor(
-        [(k, v + 0.05 * torch.randn(v.shape, generator=gen)) for k, v in state.items()], weight_version=v0 + 1)
+    load_tensors(sglang_engine, [(k, v + 0.05 * torch.randn(v.shape, generator=gen)) for k, v in state.items()],
+                 weight_version=v0 + 1)
     after = asyncio.run(sglang_engine.generate([5, 6, 7, 8], params, "wu-after"))
     assert after.weight_version == v0 + 1 == sglang_engine.weight_version
     assert after.meta["cached_tokens"] == 0, "the prompt's KV cached under the old weights was served after the update"

@@ -183,40 +183,98 @@ def test_a_peer_killed_while_it_maps_the_senders_buffer_leaves_nothing_behind():
     assert not os.path.exists(f"/dev/shm/{name.lstrip('/')}")
 
 
-@pytest.mark.unit
-def test_distributed_path_ships_one_pipeline_stage_at_a_time(monkeypatch):
-    """Contract: on the distributed path the driver asks the ranks to send one pipeline stage's group at a time (an
-    engine serves one weight update at a time: two stages broadcasting at once could each hold an engine the other's
-    group waits for, a hang), and every rank of that stage takes part; the tensor path sends all stages at once."""
-    from types import SimpleNamespace
+class _FakeGroup:
+    """A TP2 x PP2 actor group's weight-sync methods, recording the calls (no ranks)."""
 
-    import recipe.weight_sync as ws
+    def __init__(self, calls: list) -> None:
+        from types import SimpleNamespace
+
+        self.calls = calls
+        self.ranks = [SimpleNamespace(rank=r, pp_rank=r // 2, tp_rank=r % 2, dp_rank=0) for r in range(4)]
+
+    def send_weights(self, plan):
+        self.calls.append(("send_weights", plan))
+        return [None] * 4
+
+    def weight_sync_endpoints(self):
+        from megatron_workers.sync_plan import GroupAddress
+
+        return [GroupAddress(s, "a", 1, "gloo") for s in (0, 1)]
+
+    def init_weight_sync_groups(self, groups):
+        self.calls.append(("init_weight_sync_groups", groups))
+
+    def destroy_weight_sync_groups(self):
+        self.calls.append(("destroy_weight_sync_groups", None))
+
+    def export_hf(self, path):
+        self.calls.append(("export_hf", path))
+
+
+class _FakeEngine:
+    """An EngineClient's typed control methods, recording the calls; serves what the session closed under."""
+
+    def __init__(self, name: str, calls: list) -> None:
+        self.name, self.tp_size, self.handle, self.weight_version, self.calls = name, 1, object(), 0, calls
+        self._version = 0
+
+    def __getattr__(self, method: str):
+        def record(*args, **kwargs):
+            self.calls.append((f"{self.name}.{method}", args))
+            if method in ("finish_weight_update", "update_weights_from_disk"):
+                self._version = args[0] if method == "finish_weight_update" else kwargs["weight_version"]
+        return record
+
+    def refresh(self) -> int:
+        self.weight_version = self._version
+        return self._version
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("mode", ["tensor", "distributed", "disk"])
+def test_each_path_connects_once_and_syncs_by_typed_calls(mode, tmp_path):
+    """Contract: `update_weights_mode` picks one path class, chosen once; the driver reaches the ranks and the engines
+    by typed calls only, with a typed `SyncPlan`. The distributed path connects (one group per stage, every engine
+    joining) before its first sync only, and ships one pipeline stage's group at a time (an engine serves one weight
+    update at a time: two stages broadcasting at once could each hold an engine the other's group waits for); the
+    tensor path ships every stage at once, with the serializers; the disk path exports, then each engine reloads.
+    A restarted engine makes the next sync connect anew."""
+    from megatron_workers.sync_plan import SyncPlan
+    from recipe.weight_sync import PATHS, WeightSync
 
     calls: list = []
+    engines = [_FakeEngine("e0", calls), _FakeEngine("e1", calls)]
+    sync = WeightSync(_FakeGroup(calls), engines, mode=mode, bucket_bytes=1 << 20, engine_dtype="bfloat16",
+                      check=False, disk_dir=str(tmp_path))
+    assert type(sync.path) is PATHS[mode]
+    for version in (7, 8):
+        sync.sync(version)
+        assert [e.weight_version for e in engines] == [version, version]
+    plans = [p for m, p in calls if m == "send_weights"]
+    assert all(isinstance(p, SyncPlan) and p.engines == (engines[0].handle, engines[1].handle) for p in plans)
+    joins = [m for m, _ in calls if m.endswith("init_weights_update_group")]
+    if mode == "distributed":
+        assert [sorted(p.groups) for p in plans] == [[0], [1]] * 2
+        assert {p.transport for p in plans} == {"distributed"}
+        assert len(joins) == 4 and [m for m, _ in calls].count("init_weight_sync_groups") == 1
+    elif mode == "tensor":
+        assert len(plans) == 2 and {p.transport for p in plans} == {"tensor"} and not joins
+        assert plans[0].serializers == {0: ((0, 0), (1, 0)), 2: ((0, 0), (1, 0))}  # each stage's first rank
+    else:
+        assert plans == [] and [p for m, p in calls if m == "export_hf"] == [str(tmp_path)] * 2
+        assert [m for m, _ in calls if m.endswith("update_weights_from_disk")] == ["e0.update_weights_from_disk",
+                                                                                     "e1.update_weights_from_disk"] * 2
+    sessions = [m.split(".")[1] for m, _ in calls if m.startswith("e0.") and m.endswith("weight_update")]
+    assert sessions == ([] if mode == "disk" else ["begin_weight_update", "finish_weight_update"] * 2)
 
-    class Group:
-        ranks = [SimpleNamespace(rank=r, pp_rank=r // 2, tp_rank=r % 2, dp_rank=0) for r in range(4)]  # TP2 x PP2
-
-        def call_all(self, method, *args):
-            calls.append((method, sorted(args[0]["groups"]) if args and "groups" in args[0] else None))
-            if method == "weight_sync_endpoint":
-                return [{"stage": s, "address": "a", "port": 1, "backend": "gloo"} for s in (0, 1)] + [None, None]
-            return [None] * 4
-
-    class Handle:
-        class call:  # noqa: N801 - Ray's `handle.method.remote(...)` shape
-            @staticmethod
-            def remote(method, *args, **kwargs):
-                return method
-
-    engine = SimpleNamespace(name="e0", tp_size=1, handle=Handle(), weight_version=0, refresh=lambda: None)
-    monkeypatch.setattr(ws.ray, "get", lambda refs: [None] * len(refs) if isinstance(refs, list) else None)
-    for mode, expected in (("distributed", [[0], [1]]), ("tensor", [None])):
-        calls.clear()
-        sync = ws.WeightSync(Group(), [engine], mode=mode, bucket_bytes=1 << 20, engine_dtype="bfloat16", check=False)
-        engine.weight_version = 7
-        sync.sync(7)
-        assert [g for m, g in calls if m == "send_weights"] == expected, mode
+    calls.clear()
+    sync.forget_groups([engines[1]])
+    sync.sync(9)
+    if mode == "distributed":  # torn down on the senders and on the engine still in the groups, then made anew
+        assert [m for m, _ in calls if "destroy" in m] == ["e0.destroy_weights_update_group"] * 2 + [
+            "destroy_weight_sync_groups"]
+        assert sum(m.endswith("init_weights_update_group") for m, _ in calls) == 4
+    sync.close()
 
 
 @pytest.mark.unit
@@ -372,6 +430,9 @@ def max_tensor_bytes(model_dir) -> int:
 def test_two_engines_same_version_and_corrupted_tensor_is_named(actor_group, engines, tiny_model_dir):
     """Two engines end a checked sync on the same version; a tensor corrupted afterwards on one engine,
     and an engine left on the old weights, are caught by the check and named."""
+    import ray
+
+    from megatron_workers.weights import serialize
     from recipe.weight_sync import WeightSync, WeightSyncError
 
     e0, e1 = engines((1, 1))
@@ -380,7 +441,7 @@ def test_two_engines_same_version_and_corrupted_tensor_is_named(actor_group, eng
     # on its GPU, stage 1 from the same TP position in stage 1, so both TP ranks of both stages serialize
     sync = WeightSync(actor_group, [e0, e1], mode="tensor", bucket_bytes=1 << 18, engine_dtype="float32", check=True,
                       tensor_senders=[[[0, 2]], [[1, 3]]])
-    assert sync.serializers == {0: [[0, 0]], 2: [[0, 0]], 1: [[1, 0]], 3: [[1, 0]]}
+    assert sync.path.serializers == {0: ((0, 0),), 2: ((0, 0),), 1: ((1, 0),), 3: ((1, 0),)}
     sync.sync(version=3)
     assert [e.weight_version for e in (e0, e1)] == [3, 3]
     assert _engine_greedy(e0)[0].output_ids == _engine_greedy(e1)[0].output_ids
@@ -391,7 +452,9 @@ def test_two_engines_same_version_and_corrupted_tensor_is_named(actor_group, eng
     from safetensors.torch import load_file
 
     bad = load_file(str(tiny_model_dir / "model.safetensors"))[name] * 0  # any wrong value
-    e1.call("update_weights_from_tensor", [(name, bad)], weight_version=3)
+    e1.begin_weight_update()  # one bucket by the tensor path's receive side, as a sender ships it
+    ray.get(e1.handle.load_payload.remote("corrupt", 0, serialize([(name, bad)])))
+    e1.finish_weight_update(3)
     with pytest.raises(WeightSyncError, match=rf"engine1 serves 1 tensor\(s\).*{name}"):
         sync.verify()
     sync.verify(engines=[e0])  # the other engine is fine
@@ -402,10 +465,10 @@ def test_two_engines_same_version_and_corrupted_tensor_is_named(actor_group, eng
 
 
 @pytest.mark.integration
-def test_engine_clients_route_abort_pause_and_release(engines):
+def test_engine_clients_route_abort_and_release(engines):
     """Through EngineClient handles only: the router spreads trajectories over two engine actors running
-    many requests at once; an abort ends a request with finish_reason "abort"; a paused engine holds new
-    requests until continue_generation; release/resume of memory leave the engine serving."""
+    many requests at once; an abort ends a request with finish_reason "abort"; release/resume of memory leave the
+    engine serving."""
     from rollout.engines.router import EngineRouter
 
     e0, e1 = engines((1, 1))
@@ -430,14 +493,5 @@ def test_engine_clients_route_abort_pause_and_release(engines):
 
     e1.release_memory_occupation()
     e1.resume_memory_occupation()
-    e1.pause_generation()
-
-    async def paused():
-        task = asyncio.create_task(e1.generate([5, 6, 7], GREEDY, "while-paused"))
-        done, _ = await asyncio.wait({task}, timeout=2.0)
-        assert not done, "a paused engine answered"
-        await asyncio.to_thread(e1.continue_generation)
-        return await asyncio.wait_for(task, timeout=120)
-
-    assert len(asyncio.run(paused()).output_ids) == 8
+    assert len(_engine_greedy(e1)[0].output_ids) == 8
     assert e0.num_inflight == e1.num_inflight == 0

@@ -6,10 +6,11 @@ updates, cache flush, memory release) run in a worker thread so they never stall
 The actor applies SGLang's CPU adapter by the one explicit call `SGLangEngine` makes at start.
 
 `EngineClient` satisfies `rollout.engines.base.RolloutEngine`, so the agent loop and the router
-talk to it as to any engine; its control methods block until the actor is done. `.handle` (the
-Ray actor handle) is plain data: the trainer hands it to Megatron ranks, which call the receive
-methods (`update_weights_from_serialized`, `update_weights_from_distributed`, ...) by name, so
-weight buckets go straight from the training ranks to the engine, never through the driver.
+talk to it as to any engine; its typed control methods (memory, the weight-update session, process
+groups, checksums) block until the actor is done. `.handle` (the Ray actor handle) is plain data:
+the driver hands it to the Megatron ranks, which call the actor's receive methods (`load_payload`,
+`update_weights_from_distributed`), so weight buckets go straight from the training ranks to the
+engine, never through the driver.
 
 Faults: a dead engine actor turns every call into `EngineDeadError` naming the engine (its `generate`
 raises it, so the agent loop can retry elsewhere); `restart` starts a fresh actor with the same options (so on the same placement-group
@@ -25,6 +26,7 @@ import asyncio
 import logging
 import os
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -56,14 +58,46 @@ class EngineActor:
         e = self.engine
         return {"weight_version": e.weight_version, "num_inflight": e.num_inflight, "tp_size": e.tp_size}
 
-    async def node_ip(self) -> str:
-        return ray.util.get_node_ip_address()
+    async def _in_thread(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a blocking `SGLangEngine` control method in a worker thread (generation keeps running)."""
+        return await asyncio.to_thread(method, *args, **kwargs)
 
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run `SGLangEngine.<method>(*args, **kwargs)` in a worker thread (control and weight updates)."""
-        return await asyncio.to_thread(getattr(self.engine, method), *args, **kwargs)
+    # -- control: memory (colocated placement) -------------------------------------------------
 
-    # Receive side of weight sync, called by the Megatron sender ranks by name.
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self._in_thread(self.engine.release_memory_occupation, tags)
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self._in_thread(self.engine.resume_memory_occupation, tags)
+
+    # -- weight sync: the session and the process groups (called by the driver, `recipe.weight_sync`) ----------
+
+    async def begin_weight_update(self) -> None:
+        await self._in_thread(self.engine.begin_weight_update)
+
+    async def end_weight_update(self) -> None:
+        """Close the session without a new version (a sync that failed)."""
+        await self._in_thread(self.engine.end_weight_update)
+
+    async def finish_weight_update(self, weight_version: int) -> None:
+        await self._in_thread(self.engine.finish_weight_update, weight_version=weight_version)
+
+    async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
+        await self._in_thread(self.engine.update_weights_from_disk, path, weight_version=weight_version)
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> None:
+        await self._in_thread(self.engine.init_weights_update_group, master_address, master_port, rank_offset,
+                              world_size, group_name, backend)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._in_thread(self.engine.destroy_weights_update_group, group_name)
+
+    async def weight_checksums(self) -> dict[str, list[float]]:
+        return await self._in_thread(self.engine.weight_checksums)
+
+    # -- weight sync: the buckets (called by the Megatron sender ranks, `megatron_workers.weights`) ------------
+
     async def load_payload(self, bucket_key: str, tp_rank: int, payload: bytes) -> None:
         """Tensor path: TP rank `tp_rank`'s serialized copy of bucket `bucket_key`. The bucket is loaded
         once every TP rank's copy has arrived (they may come from different sender ranks); every
@@ -73,7 +107,8 @@ class EngineActor:
         if len(parts) == self.engine.tp_size:
             del self._buckets[bucket_key]
             try:
-                await self.call("update_weights_from_serialized", [parts[r] for r in range(self.engine.tp_size)])
+                await self._in_thread(self.engine.update_weights_from_serialized,
+                                      [parts[r] for r in range(self.engine.tp_size)])
                 done.set_result(None)
             except Exception as e:  # noqa: BLE001 - every waiting sender gets the engine's error
                 done.set_exception(e)
@@ -82,7 +117,8 @@ class EngineActor:
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               *, group_name: str) -> None:
         """Distributed path: receive one flat bucket broadcast by the sender (rank 0 of `group_name`)."""
-        await self.call("update_weights_from_distributed", names, dtypes, shapes, group_name=group_name)
+        await self._in_thread(self.engine.update_weights_from_distributed, names, dtypes, shapes,
+                              group_name=group_name)
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.engine.shutdown)
@@ -180,34 +216,48 @@ class EngineClient:
 
     # -- control (blocking) ---------------------------------------------------------------------
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """`SGLangEngine.<method>` on the actor; blocks until done."""
-        return ray.get(self.handle.call.remote(method, *args, **kwargs))
-
     def refresh(self) -> int:
         """Read the served weight version back from the actor (after a sync driven by the senders)."""
         self._weight_version = ray.get(self.handle.state.remote())["weight_version"]
         return self._weight_version
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
-        self.call("release_memory_occupation", tags)
+        ray.get(self.handle.release_memory_occupation.remote(tags))
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
-        self.call("resume_memory_occupation", tags)
+        ray.get(self.handle.resume_memory_occupation.remote(tags))
 
-    def pause_generation(self, mode: str = "retract") -> None:
-        self.call("pause_generation", mode)
+    def begin_weight_update(self) -> None:
+        """Open a weight-update session: tensor and distributed updates load only inside one."""
+        ray.get(self.handle.begin_weight_update.remote())
 
-    def continue_generation(self) -> None:
-        self.call("continue_generation")
+    def end_weight_update(self) -> None:
+        """Close the session under the old version (a sync that failed midway)."""
+        ray.get(self.handle.end_weight_update.remote())
+
+    def finish_weight_update(self, weight_version: int) -> None:
+        """Close a session whose weights all arrived: flush the prefix cache, serve under `weight_version` (`refresh`
+        reads it back)."""
+        ray.get(self.handle.finish_weight_update.remote(weight_version))
 
     def update_weights_from_disk(self, path: str, *, weight_version: int) -> None:
-        self.call("update_weights_from_disk", path, weight_version=weight_version)
+        """Reload every weight from the HF checkpoint at `path` (its own session), serve under `weight_version`."""
+        ray.get(self.handle.update_weights_from_disk.remote(path, weight_version))
         self.refresh()
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str) -> None:
+        """Join a sender's process group as ranks `rank_offset ..` (one per engine TP rank); blocks until every
+        member has joined."""
+        ray.get(self.handle.init_weights_update_group.remote(master_address, master_port, rank_offset, world_size,
+                                                             group_name, backend))
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        ray.get(self.handle.destroy_weights_update_group.remote(group_name))
 
     def weight_checksums(self) -> dict[str, list[float]]:
         """Per-HF-tensor [sum, abs_sum, sum_of_squares] of the served weights (see `weight_probe`)."""
-        return self.call("weight_checksums")
+        return ray.get(self.handle.weight_checksums.remote())
 
     def shutdown(self) -> None:
         """Stop the engine's subprocesses, then the actor."""

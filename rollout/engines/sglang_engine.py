@@ -26,7 +26,7 @@ import logging
 import pickle
 import tempfile
 import threading
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine
 from concurrent.futures import Future
 from typing import Any
 
@@ -99,20 +99,7 @@ class SGLangEngine:
     async def abort(self, request_id: str) -> None:
         await asyncio.wrap_future(self._submit(self._abort(request_id)))
 
-    # -- control: generation and memory -------------------------------------------------------
-
-    def pause_generation(self, mode: str = "retract") -> None:
-        """Stop scheduling generation ("retract": running requests wait and resume later;
-        "abort": they end with finish_reason "abort"; "in_place": they keep their KV cache)."""
-        from sglang.srt.managers.io_struct import PauseGenerationReqInput
-
-        self._call(self._tm.pause_generation(PauseGenerationReqInput(mode=mode)))
-
-    def continue_generation(self) -> None:
-        """Resume generation after `pause_generation`."""
-        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
-
-        self._call(self._tm.continue_generation(ContinueGenerationReqInput()))
+    # -- control: memory -------------------------------------------------------------------
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         """Free GPU memory ("weights", "kv_cache"; None: both) for a colocated trainer (skipped on CPU,
@@ -173,21 +160,6 @@ class SGLangEngine:
         req = UpdateWeightsFromTensorReqInput(serialized_named_tensors=list(payloads), load_format=load_format,
                                               flush_cache=flush_cache, torch_empty_cache=False)
         _check(self._call(self._tm.update_weights_from_tensor(req, None)), "update_weights_from_tensor")
-
-    def update_weights_from_tensor(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                                   weight_version: int) -> None:
-        """Load HF-named full tensors held by this process, as one bucket in its own session."""
-        from multiprocessing.reduction import ForkingPickler  # torch registers its tensor reductions there
-
-        tensors = list(named_tensors)
-        payloads = [bytes(ForkingPickler.dumps(tensors)) for _ in range(self._tp_size)]
-        self.begin_weight_update()
-        try:
-            self.update_weights_from_serialized(payloads)
-        except BaseException:
-            self.end_weight_update()
-            raise
-        self.finish_weight_update(weight_version=weight_version)
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str, backend: str) -> None:

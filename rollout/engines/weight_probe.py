@@ -18,9 +18,10 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the driver imports `mismatches` without torch
+    import torch
 
 #: Dotted path SGLang imports as a custom weight loader (registered by `SGLangEngine` at start).
 LOADER = "rollout.engines.weight_probe.report"

@@ -176,11 +176,11 @@ def profile_tensor_path(group: Any, engine: Any, model_dir: Path, bucket_bytes: 
     from safetensors.torch import load_file
 
     from megatron_workers.sync_plan import SyncPlan
+    from megatron_workers.shared_tensors import serialize
     from megatron_workers.weights import (
         BucketBuffers,
         MemoryMeter,
         bucket_by_bytes,
-        serialize,
         stream_buckets,
     )
 

@@ -43,9 +43,7 @@ model, and pipeline stages sync in parallel instead of through a PP broadcast.
 from __future__ import annotations
 
 import functools
-import io
 import logging
-import mmap
 import os
 import queue
 import socket
@@ -58,8 +56,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing  # registers torch's tensor reductions with ForkingPickler
 
+
+from megatron_workers.shared_tensors import SharedMappings, serialize, shared_buffer, shared_name
 from megatron_workers.sync_plan import GroupAddress, SyncPlan
 
 NamedTensor = tuple[str, torch.Tensor]
@@ -145,7 +144,7 @@ class BucketBuffers:
         key, capacity = (str(device), index % 2), max(sizes[index % 2::2])
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < capacity:
-            buf = self._buffers[key] = _shared_buffer(capacity, device)
+            buf = self._buffers[key] = shared_buffer(capacity, device)
         return buf[:sizes[index]]
 
     def pair(self, sizes: list[int], device: torch.device) -> list[torch.Tensor]:
@@ -221,90 +220,6 @@ def fill_buckets_in_place(place: Callable[[dict[str, torch.Tensor]], None], plan
         dist.barrier(group=group)
         meter.add(off)
         yield Bucket(index, flat[:off], slots)
-
-
-class SharedMappings:
-    """Writable mappings of other processes' shared-memory buffers, by name, kept across syncs.
-
-    A fresh mapping costs a page fault per page touched (writing into one: about three times the copy, measured
-    here) and an unmapping after; a kept one costs nothing after the first sync. Used by a sender's TP peers (the
-    in-place fill) and by the engine processes that load its buckets (`rebuild_shared_view`). They are plain
-    `mmap`s, which torch's shared-memory bookkeeping never counts: the owner's torch unlinks a buffer's file when it
-    frees the buffer or dies, and mappings whose file is gone are dropped when a new one is made.
-    """
-
-    def __init__(self) -> None:
-        self._maps: dict[str, torch.Tensor] = {}  # name -> (file bytes,) uint8
-
-    def view(self, name: str, nbytes: int) -> torch.Tensor:
-        """The `nbytes` bytes of the storage in shared-memory file `name` (torch puts a header before them)."""
-        file = self._maps.get(name)
-        if file is None:
-            self._maps = {n: m for n, m in self._maps.items() if os.path.exists(_shm_path(n))}
-            fd = os.open(_shm_path(name), os.O_RDWR)
-            try:  # populated at once: cheaper than faulting the pages in one by one
-                file = self._maps[name] = torch.frombuffer(
-                    mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE), dtype=torch.uint8)
-            finally:
-                os.close(fd)
-        return file[file.numel() - nbytes:]
-
-
-def _shared_name(t: torch.Tensor) -> str:
-    """The shared-memory name of a host tensor's storage (moved to shared memory first if it is not there)."""
-    return t.untyped_storage()._share_filename_cpu_()[1].decode()
-
-
-def _shm_path(name: str) -> str:
-    return f"/dev/shm/{name.lstrip('/')}"
-
-
-_RECEIVED = SharedMappings()  # in a process that loads buckets (an engine's TP rank)
-
-
-def rebuild_shared_view(name: str, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...],
-                        stride: tuple[int, ...], offset: int) -> torch.Tensor:
-    """Unpickle a host tensor `serialize` pickled: a view of the `nbytes`-byte storage in shared-memory file `name`
-    (`offset` in elements), through this process's kept mapping of it."""
-    flat = _RECEIVED.view(name, nbytes)
-    return torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), flat.storage_offset() // dtype.itemsize + offset,
-                                            shape, stride)
-
-
-def _shared_buffer(size: int, device: torch.device) -> torch.Tensor:
-    """`size` bytes other processes can map. CPU storage is made by shared-memory *name* (what `serialize` pickles
-    and `SharedMappings` maps): one made by file descriptor would be copied into a named one when pickled."""
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(torch.UntypedStorage._new_shared(size, device=device))
-
-
-def serialize(obj: Any) -> bytes:
-    """Pickle with tensors by shared handle, not by value.
-
-    CPU tensors go by shared-memory name, rebuilt by `rebuild_shared_view` through the receiving process's kept
-    mapping of the buffer (torch's own reduction would map and unmap it per bucket); CUDA tensors by torch's IPC
-    handle, their device given as its UUID (the receiving engine maps it back to its own device index).
-    """
-    from multiprocessing.reduction import ForkingPickler
-
-    buf = io.BytesIO()
-    pickler = ForkingPickler(buf)
-    pickler.dispatch_table = dict(pickler.dispatch_table)  # this pickler only
-    pickler.dispatch_table[torch.Tensor] = _reduce_tensor
-    pickler.dump(obj)
-    return buf.getvalue()
-
-
-def _reduce_tensor(t: torch.Tensor):
-    from torch.multiprocessing import reductions
-
-    if t.device.type == "cpu":  # moved to shared memory first if it is not there (as torch's reduction does)
-        return rebuild_shared_view, (_shared_name(t), t.untyped_storage().nbytes(), t.dtype, tuple(t.shape), t.stride(),
-                                     t.storage_offset())
-    fn, args = reductions.reduce_tensor(t)
-    if t.is_cuda:  # argument 6 of rebuild_cuda_tensor is the device index
-        args = (*args[:6], str(torch.cuda.get_device_properties(args[6]).uuid), *args[7:])
-    return fn, args
 
 
 def init_sender_group(master_address: str, master_port: int, world_size: int, group_name: str,
@@ -485,7 +400,7 @@ class WeightSender:
             if is_owner:
                 sizes = [sum(tensor_bytes(t) for _, t in planned) for planned in buckets]
                 buffers = self._buffers.pair(sizes, torch.device("cpu"))
-            names = [[(_shared_name(b), b.numel()) for b in buffers] if is_owner else None]
+            names = [[(shared_name(b), b.numel()) for b in buffers] if is_owner else None]
             dist.broadcast_object_list(names, src=dist.get_process_group_ranks(tp_group)[senders[0]], group=tp_group)
             if not is_owner:
                 buffers = [self._peer_mappings.view(name, n) for name, n in names[0]]

@@ -34,9 +34,9 @@ _NO_NCCL = "/nonexistent/polyturn-cpu-has-no-libnccl.so"  # must not exist: SGLa
 #: Set for SGLang's subprocesses when this module adapted the engine to CPU; `sglang_plugin` acts only then.
 CPU_ENGINE_ENV = "POLYTURN_SGLANG_CPU"
 
-#: How the weight sync's tensor path pickles a host-memory tensor (`megatron_workers.weights.serialize`): by the name
+#: How the weight sync's tensor path pickles a host-memory tensor (`megatron_workers.shared_tensors.serialize`): by the name
 #: of its shared-memory buffer, which the engine maps once and keeps. The schedulers' safe unpickler must admit it.
-HOST_TENSOR_REBUILD = ("megatron_workers.weights", "rebuild_shared_view")
+HOST_TENSOR_REBUILD = ("megatron_workers.shared_tensors", "rebuild_shared_view")
 
 _CPU_FIXED = {"device": "cpu", "attention_backend": "torch_native", "disable_cuda_graph": True}
 

@@ -59,8 +59,8 @@ def test_greedy_ids_and_logprobs_match_transformers(sglang_engine, tiny_model_di
 
 def load_tensors(engine, named_tensors, *, weight_version: int) -> None:
     """Load HF-named full tensors as the tensor path's senders do: one session, one bucket serialized by handle for
-    every engine TP rank (`megatron_workers.weights.serialize`), closed under `weight_version`."""
-    from megatron_workers.weights import serialize
+    every engine TP rank (`megatron_workers.shared_tensors.serialize`), closed under `weight_version`."""
+    from megatron_workers.shared_tensors import serialize
 
     payload = serialize(list(named_tensors))
     engine.begin_weight_update()

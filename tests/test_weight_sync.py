@@ -77,12 +77,12 @@ def test_bucket_buffers_are_reused_and_consecutive_syncs_each_deliver_their_weig
     k+1 is packed."""
     from multiprocessing.reduction import ForkingPickler
 
+    from megatron_workers.shared_tensors import serialize
     from megatron_workers.weights import (
         BucketBuffers,
         MemoryMeter,
         bucket_by_bytes,
         send_buckets,
-        serialize,
         stream_buckets,
     )
 
@@ -127,7 +127,8 @@ def test_a_receiver_maps_a_senders_buffer_once_and_drops_the_mapping_once_the_bu
     torch unlinks its file, and the receiver drops its mapping when it next maps a buffer: nothing outlives both."""
     import pickle
 
-    from megatron_workers.weights import BucketBuffers, serialize
+    from megatron_workers.shared_tensors import serialize
+    from megatron_workers.weights import BucketBuffers
 
     first, second = BucketBuffers(), BucketBuffers()
     buf = first.take(0, [4096], torch.device("cpu"))
@@ -150,7 +151,7 @@ def test_a_receiver_maps_a_senders_buffer_once_and_drops_the_mapping_once_the_bu
 
 def _map_and_wait(name: str, nbytes: int, ready) -> None:
     """A TP peer: write into the sender's buffer through a kept mapping, then wait to be killed."""
-    from megatron_workers.weights import SharedMappings
+    from megatron_workers.shared_tensors import SharedMappings
 
     SharedMappings().view(name, nbytes).fill_(7)
     ready.set()
@@ -432,7 +433,7 @@ def test_two_engines_same_version_and_corrupted_tensor_is_named(actor_group, eng
     and an engine left on the old weights, are caught by the check and named."""
     import ray
 
-    from megatron_workers.weights import serialize
+    from megatron_workers.shared_tensors import serialize
     from recipe.weight_sync import WeightSync, WeightSyncError
 
     e0, e1 = engines((1, 1))

@@ -126,7 +126,7 @@ class Recorder:
 
 def _write_inputs(out: Path, prompts: int) -> tuple[Path, Path]:
     """The data (`prompts` rows that ask for the wait tool) and the tool config."""
-    from recipe.data.gsm8k import write_rows
+    from recipe.tasks import write_rows
 
     rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"Task {i}: wait, then say 1."}],
              "reward_model": {"style": "rule", "ground_truth": "1"},

@@ -65,7 +65,7 @@ class DataFiles:
     """`data.*` of every entry point (RL and SFT): the files to train and validate on and the rows per step."""
 
     train_files: list[str] = field(default_factory=list)
-    """Parquet files to train on, in verl's format: prompt rows for RL (python -m recipe.data.gsm8k writes them),
+    """Parquet files to train on, in verl's format: prompt rows for RL (python -m recipe.tasks.gsm8k writes them),
     a messages column (and an optional tools column) for SFT."""
     val_files: list[str] = field(default_factory=list)
     """Validation parquet files of the same format (RL rolls them out whole, SFT measures their loss); empty: no
@@ -79,7 +79,7 @@ class DataFiles:
             self.train_files = [self.train_files]
         if not self.train_files:
             raise ConfigError("data.train_files is empty; set it to the parquet file(s) to train on, e.g. "
-                              "data.train_files=$HOME/data/gsm8k/train.parquet (python -m recipe.data.gsm8k makes them)")
+                              "data.train_files=$HOME/data/gsm8k/train.parquet (python -m recipe.tasks.gsm8k makes them)")
         self.train_files = [resolve_path(f, "data.train_files") for f in self.train_files]
         if isinstance(self.val_files, str):
             self.val_files = [self.val_files]

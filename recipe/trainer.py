@@ -464,7 +464,7 @@ class Trainer:
         metrics = {**rollout_metrics(rolled), **self.agent_loop.instance_metrics(), **filter_m}
         metrics["fault/failed_fraction"] = sum(t.finish_reason is FinishReason.ERROR for t in rolled) / max(len(rolled), 1)
         collected = Collected(rolled, trainable(kept, self.row_multiple), metrics, ahead=ahead)
-        if algo.adv_estimator == "remax" and self._trains(collected):
+        if self.cfg.estimator.needs_greedy_rollout and self._trains(collected):
             with timer("rollout_greedy"):
                 collected.baselines = self._greedy_baselines(prompts.prompts, heal)
         metrics.update(timer.metrics)

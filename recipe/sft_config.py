@@ -23,7 +23,7 @@ from typing import Any
 
 from megatron_workers.config import MegatronConfig, OptimConfig
 from recipe.config_build import ConfigError, build
-from recipe.config_schema import DataFiles, ModelSection, RayInitConfig, RunConfig, is_hub_id, resolve_path
+from recipe.config_shared import DataFiles, ModelSection, RayInitConfig, RunConfig, is_hub_id, resolve_path
 from recipe.data.sft_dataset import TRUNCATIONS
 from recipe.launch import Entry, Rule
 

@@ -142,7 +142,7 @@ def _import_from_file(path: str, attr: str, where: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not hasattr(module, attr):
-        raise PluginConfigError(f"{where}: {path} defines no such name; name one that file defines")
+        raise PluginConfigError(f"{where}: {path} defines no {attr!r}; name a function or class that file defines")
     return getattr(module, attr)
 
 

@@ -440,7 +440,8 @@ def test_verls_gsm8k_yaml_drive_a_multi_turn_rollout_on_sglang(sglang_engine, ti
         tool_config_path=str(VERL_TOOL_YAML), interaction_config_path=str(VERL_INTERACTION_YAML),
         max_assistant_turns=4, max_user_turns=2))
     loop = AgentLoop([steered], AutoTokenizer.from_pretrained(str(tiny_model_dir)), config,
-                     ToolRegistry.from_config(VERL_TOOL_YAML), InteractionRegistry.from_config(VERL_INTERACTION_YAML))
+                     ToolRegistry.from_config(VERL_TOOL_YAML, aliases=verl_aliases()),
+                     InteractionRegistry.from_config(VERL_INTERACTION_YAML, aliases=verl_aliases()))
     row = {"data_source": "openai/gsm8k",
            "prompt": [{"role": "user", "content": "Tom has 8 boxes with 9 apples each. How many apples?"}],
            "reward_model": {"style": "rule", "ground_truth": "72"},

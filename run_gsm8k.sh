@@ -8,7 +8,7 @@
 #    git-ignored) from ../shared/data/gsm8k when it exists, else from the hub (openai/gsm8k), and trains
 #    the gsm8k_qwen2_5_3b preset (PRESET=cpu_tiny: the tiny test model, a few steps on CPU);
 # 3. without a GPU: the cpu_learn preset in $RUN_DIR (default ./outputs/cpu_learn/seed$SEED):
-#    synthetic GSM8K-format data (recipe.data.synthetic_math) -> tiny Qwen2 (init std 0.02) ->
+#    synthetic GSM8K-format data (recipe.tasks.synthetic_math) -> tiny Qwen2 (init std 0.02) ->
 #    multi-turn SFT (recipe.main_sft) -> GRPO with the python tool (recipe.main_ppo --config-name
 #    cpu_learn, validated before the first step and every few steps) -> one JSON line
 #    {"val_acc_sft", "val_acc_rl", "tool_call_rate_sft", "tool_call_rate_rl", "steps", "wall_s"}
@@ -29,9 +29,9 @@ if [ -n "${PRESET:-}" ] || python -c 'import sys, torch; sys.exit(0 if torch.cud
   LOCAL_GSM8K=${LOCAL_GSM8K:-$ROOT/../shared/data/gsm8k}
   if [ ! -f "$DATA_DIR/train.parquet" ]; then
     if [ -f "$LOCAL_GSM8K/train.jsonl" ]; then
-      python -m recipe.data.gsm8k --out "$DATA_DIR" --local-dir "$LOCAL_GSM8K"
+      python -m recipe.tasks.gsm8k --out "$DATA_DIR" --local-dir "$LOCAL_GSM8K"
     else
-      python -m recipe.data.gsm8k --out "$DATA_DIR"
+      python -m recipe.tasks.gsm8k --out "$DATA_DIR"
     fi
   fi
   PRESET=${PRESET:-gsm8k_qwen2_5_3b}
@@ -60,7 +60,7 @@ START=$(date +%s)
 echo "run_gsm8k: cpu_learn preset, seed $SEED, schedule $SCHEDULE, run dir $RUN_DIR"
 rm -rf "$RUN_DIR/data" "$RUN_DIR/base_model" "$RUN_DIR/sft" "$RUN_DIR/rl"  # this preset's own outputs only
 
-python -m recipe.data.synthetic_math --out "$RUN_DIR/data" --seed "$SEED" --test "$N_TEST" \
+python -m recipe.tasks.synthetic_math --out "$RUN_DIR/data" --seed "$SEED" --test "$N_TEST" \
   --tool-config tool_configs/python_calc_tool_config.yaml
 python -m recipe.tiny_model --out "$RUN_DIR/base_model" --seed "$SEED" --layers 2 --hidden 128 --heads 4 \
   --kv-heads 2 --intermediate 512 --init-std 0.02 --compact-tools

@@ -126,7 +126,7 @@ class Recorder:
 
 def _write_inputs(out: Path, prompts: int) -> tuple[Path, Path]:
     """The data (`prompts` rows that ask for the wait tool) and the tool config."""
-    from recipe.data.gsm8k import write_rows
+    from recipe.tasks import write_rows
 
     rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"Task {i}: wait, then say 1."}],
              "reward_model": {"style": "rule", "ground_truth": "1"},
@@ -146,9 +146,11 @@ def _config(out: Path, args: argparse.Namespace, schedule: str, steps: int) -> A
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from recipe.config_build import register_schema
     from recipe.config_schema import PPOConfig
-    from recipe.launch import CONFIG_DIR
+    from recipe.launch import CONFIG_DIR, PPO
 
+    register_schema(PPO.schema_node, PPO.schema)
     data, tools = out / "train.parquet", out / "tools.yaml"
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="cpu_tiny", overrides=[

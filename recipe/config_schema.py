@@ -2,13 +2,15 @@
 
 `PPOConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))` builds the tree and validates
 it: each dataclass checks its own fields in `__post_init__`, `PPOConfig` checks what spans
-sections (batch sizes against the parallel layout, the files to read), and an unknown key
-anywhere is refused naming its full dotted path and the known keys of that section. Errors
-name the key and the fix, before Ray or any engine starts. Importing this module loads neither
-Megatron nor SGLang.
+sections (batch sizes against the parallel layout, the files to read). The generic builder (an
+unknown key anywhere refused naming its full dotted path and the known keys of that section),
+the defaults and the Hydra registration live in `recipe.config_build`; this module holds the
+declarations and their checks only. Errors name the key and the fix, before Ray or any engine
+starts. Importing this module loads neither Megatron nor SGLang, and registers nothing.
 
 Each field is declared once, with a docstring under it, in the dataclass of the part that
-reads it, and the parts receive their sections as they are: `actor_rollout_ref.actor` is the
+reads it (the sections SFT shares too are `recipe.config_shared`'s), and the parts receive
+their sections as they are: `actor_rollout_ref.actor` is the
 Megatron rank's `ActorConfig` (megatron_workers.config) and the policy loss's
 `PolicyLossConfig` (recipe.algos) in one class; `critic` likewise with `ValueLossConfig`;
 `actor_rollout_ref.rollout` is the agent loop's `RolloutConfig` (rollout.config); `algorithm`
@@ -23,70 +25,23 @@ reward kinds (outcome, tool step rewards, tools' final calc_reward, interaction 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from megatron_workers.config import ActorConfig, OptimConfig, WorkerConfig
 from recipe.algos import AlgorithmConfig, PolicyLossConfig, ValueLossConfig
+from recipe.algos.registry import ADV_ESTIMATORS, EstimatorSpec
 from recipe.checkpoint import RESUME_MODES
+from recipe.config_build import ConfigError, build
+from recipe.config_shared import DataFiles, ModelSection, RayInitConfig, RunConfig, is_hub_id, resolve_path
 from recipe.reward import CustomRewardFunctionConfig, RewardConfig
 from recipe.weight_sync import MODES as SYNC_MODES
 from rollout.config import RolloutConfig
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 ROLE_KEYS = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic"}
 """The config section of each Megatron role."""
-LOGGERS = ("console", "wandb")
-
-
-class ConfigError(ValueError):
-    """A config value is missing, unknown or inconsistent; the message names the key and the fix."""
-
-
-def resolve_path(value: str | None, key: str, must_exist: bool = True) -> str | None:
-    """An absolute path for `value`: as given when it exists, else relative to the repository root."""
-    if value is None:
-        return None
-    p = Path(value).expanduser()
-    if not p.is_absolute() and not p.exists() and (REPO_ROOT / p).exists():
-        p = REPO_ROOT / p
-    if must_exist and not p.exists():
-        raise ConfigError(f"{key}={value!r}: no such file or directory; give an existing path (absolute or "
-                          "relative to the working directory or the polyturn checkout)")
-    return str(p.resolve()) if p.exists() else str(p)
-
-
-@dataclass
-class DataFiles:
-    """`data.*` of every entry point (RL and SFT): the files to train and validate on and the rows per step."""
-
-    train_files: list[str] = field(default_factory=list)
-    """Parquet files to train on, in verl's format: prompt rows for RL (python -m recipe.data.gsm8k writes them),
-    a messages column (and an optional tools column) for SFT."""
-    val_files: list[str] = field(default_factory=list)
-    """Validation parquet files of the same format (RL rolls them out whole, SFT measures their loss); empty: no
-    validation."""
-    train_batch_size: int = 256
-    """Rows per step over all data-parallel ranks: prompts (each rolled out `rollout.n` times) in RL, conversations
-    per optimizer step in SFT."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.train_files, str):
-            self.train_files = [self.train_files]
-        if not self.train_files:
-            raise ConfigError("data.train_files is empty; set it to the parquet file(s) to train on, e.g. "
-                              "data.train_files=$HOME/data/gsm8k/train.parquet (python -m recipe.data.gsm8k makes them)")
-        self.train_files = [resolve_path(f, "data.train_files") for f in self.train_files]
-        if isinstance(self.val_files, str):
-            self.val_files = [self.val_files]
-        self.val_files = [resolve_path(f, "data.val_files") for f in self.val_files]
-        if self.train_batch_size < 1:
-            raise ConfigError(f"data.train_batch_size is {self.train_batch_size}; it must be >= 1")
 
 
 @dataclass
@@ -108,17 +63,6 @@ class DataConfig(DataFiles):
 
 
 @dataclass
-class ModelSection:
-    """`critic.model.*`, and the base of `actor_rollout_ref.model.*`: how a role's model is built (the critic's
-    weights are the policy's checkpoint)."""
-
-    enable_gradient_checkpointing: bool = False
-    """Recompute activations in the backward pass instead of keeping them (verl's key): Megatron's full recompute,
-    one layer per checkpoint; less memory, same result. A `recompute_*` field in this role's
-    megatron.override_transformer_config wins over it."""
-
-
-@dataclass
 class ModelConfig(ModelSection):
     """`actor_rollout_ref.model.*`: the policy's HF checkpoint."""
 
@@ -134,12 +78,6 @@ class ModelConfig(ModelSection):
                               "actor_rollout_ref.model.build_tiny=true for the tiny test model")
         if self.path is not None and not is_hub_id(self.path):
             self.path = resolve_path(self.path, "actor_rollout_ref.model.path")
-
-
-def is_hub_id(value: str) -> bool:
-    """True for a hub model id ("Qwen/Qwen2.5-3B-Instruct") that is not also a local path."""
-    return (not Path(value).expanduser().exists() and value.count("/") == 1
-            and not value.startswith(("/", ".", "~")))
 
 
 @dataclass
@@ -248,45 +186,6 @@ class ActorRolloutRefConfig:
         if self.rollout.update_weights_mode not in (None, *SYNC_MODES):
             raise ConfigError(f"actor_rollout_ref.rollout.update_weights_mode is {self.rollout.update_weights_mode!r}; "
                               f"use one of {SYNC_MODES} or null (by placement mode)")
-
-
-@dataclass
-class RunConfig:
-    """`trainer.*` of every entry point (RL and SFT): run length, resources, output and logging."""
-
-    project_name: str = "polyturn"
-    """Project name (wandb project)."""
-    experiment_name: str = "gsm8k"
-    """Run name (wandb run)."""
-    logger: list[str] = field(default_factory=lambda: ["console", "wandb"])
-    """Metric sinks, any of console, wandb (verl's `trainer.logger=console` means [console])."""
-    total_training_steps: int | None = None
-    """Steps to train; None: trainer.total_epochs passes over the training data."""
-    total_epochs: int = 1
-    """Passes over the training data (each reshuffled, seeded by the run's seed) when total_training_steps is None."""
-    test_freq: int = -1
-    """Validate every this many steps and after the last one (needs data.val_files); -1: never during training (SFT
-    still measures the validation loss once, at the end)."""
-    default_local_dir: str = "outputs/run"
-    """Output directory: metrics.jsonl, wandb files, and what the run writes: checkpoints (`global_step_<k>/`) and the
-    CPU preset's tiny model in RL, the trained model (`hf/`) in SFT."""
-    n_gpus_per_node: int = 8
-    """GPUs per node of the trainer pool: one placement bundle and one Megatron rank of each role per GPU
-    (on a Ray cluster without GPUs, a CPU-share bundle each)."""
-    nnodes: int = 1
-    """Nodes of the trainer pool (recipe.placement); more than one: join a Ray cluster (RAY_ADDRESS)."""
-
-    def __post_init__(self) -> None:
-        unknown = [x for x in self.logger if x not in LOGGERS]
-        if unknown:
-            raise ConfigError(f"trainer.logger has {unknown}; use a list of {LOGGERS}, e.g. trainer.logger=[console,wandb]")
-        for key in ("total_training_steps", "total_epochs", "n_gpus_per_node", "nnodes"):
-            if getattr(self, key) is not None and getattr(self, key) < 1:
-                raise ConfigError(f"trainer.{key} is {getattr(self, key)}; it must be >= 1")
-        if self.test_freq == 0 or self.test_freq < -1:
-            raise ConfigError(f"trainer.test_freq is {self.test_freq}; use a step count >= 1, or -1 for no validation "
-                              "during training")
-        self.default_local_dir = str(Path(self.default_local_dir).expanduser().resolve())
 
 
 @dataclass
@@ -457,16 +356,6 @@ class AsyncTrainingConfig:
 
 
 @dataclass
-class RayInitConfig:
-    """`ray_init.*`: the local Ray cluster."""
-
-    num_cpus: int | None = None
-    """CPUs Ray may use; None: all of this machine's."""
-    temp_dir: str | None = None
-    """Ray's session directory; None: Ray's default (or $RAY_TMPDIR)."""
-
-
-@dataclass
 class PPOConfig:
     """The whole run."""
 
@@ -501,28 +390,22 @@ class PPOConfig:
             raise ConfigError(f"async_training.schedule={schedule} rolls out while the trainer trains, so the engines "
                               "need GPUs of their own: set actor_rollout_ref.hybrid_engine=false with rollout.nnodes "
                               "and rollout.n_gpus_per_node (their pool)")
-        if schedule == "fully_async" and self.algorithm.adv_estimator == "remax":
-            raise ConfigError("algorithm.adv_estimator=remax rolls out a greedy baseline of each step's prompt batch, and "
-                              "async_training.schedule=fully_async streams prompt groups with no batch; use grpo, or "
-                              "async_training.schedule=one_step_off")
+        if schedule == "fully_async" and self.estimator.needs_greedy_rollout:
+            raise ConfigError(f"algorithm.adv_estimator={self.algorithm.adv_estimator} rolls out a greedy baseline of "
+                              "each step's prompt batch, and async_training.schedule=fully_async streams prompt groups "
+                              "with no batch; use grpo, or async_training.schedule=one_step_off")
         if t.critic_warmup > 1 and not self.use_critic:
             raise ConfigError(f"trainer.critic_warmup={t.critic_warmup} warms up a critic, and "
                               f"algorithm.adv_estimator={self.algorithm.adv_estimator} has none: its first "
                               f"{t.critic_warmup - 1} steps would train nothing; drop the key (or set 0), or use "
-                              "algorithm.adv_estimator=gae")
+                              "an estimator with a critic (algorithm.adv_estimator=gae)")
         mt = rollout.multi_turn
         mt.tool_config_path = resolve_path(mt.tool_config_path, "actor_rollout_ref.rollout.multi_turn.tool_config_path")
         mt.interaction_config_path = resolve_path(
             mt.interaction_config_path, "actor_rollout_ref.rollout.multi_turn.interaction_config_path")
         self.custom_reward_function.path = resolve_path(self.custom_reward_function.path, "custom_reward_function.path")
-        world = self.trainer.n_gpus_per_node * self.trainer.nnodes
         for role, worker in self.workers().items():
-            m, prefix = worker.megatron, ROLE_KEYS[role]
-            mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
-            if world % mp:
-                raise ConfigError(
-                    f"trainer.n_gpus_per_node * trainer.nnodes = {world} ranks is not a multiple of tensor x pipeline "
-                    f"parallel size = {mp} ({prefix}.megatron); change {prefix}.megatron.* or the rank count")
+            self.trainer.dp_size(worker.megatron, f"{ROLE_KEYS[role]}.megatron")
         for role, worker in self.workers().items():
             if worker.optim is None:  # the reference trains nothing: any batch of whole rows splits (batch_multiple)
                 continue
@@ -542,7 +425,7 @@ class PPOConfig:
 
     def workers(self) -> dict[str, WorkerConfig]:
         """The Megatron roles this run builds, each with the section its ranks receive: actor; ref when a KL term
-        is used (`RefSection.reference`); critic for GAE."""
+        is used (`RefSection.reference`); critic when the estimator needs one (GAE)."""
         ar = self.actor_rollout_ref
         roles: dict[str, WorkerConfig] = {"actor": ar.actor}
         if self.use_reference:
@@ -553,9 +436,7 @@ class PPOConfig:
 
     def role_dp_size(self, worker: WorkerConfig) -> int:
         """Data-parallel ranks of a role: all trainer ranks over its tensor x pipeline parallel size."""
-        m = worker.megatron
-        return self.trainer.n_gpus_per_node * self.trainer.nnodes // (m.tensor_model_parallel_size *
-                                                                      m.pipeline_model_parallel_size)
+        return self.trainer.dp_size(worker.megatron)
 
     @property
     def batch_multiple(self) -> int:
@@ -580,124 +461,16 @@ class PPOConfig:
         return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
     @property
+    def estimator(self) -> EstimatorSpec:
+        """The advantage estimator's registry entry: what it needs (a critic, a greedy rollout, its inputs)."""
+        return ADV_ESTIMATORS[self.algorithm.adv_estimator]
+
+    @property
     def use_critic(self) -> bool:
-        """A critic is needed for GAE."""
-        return self.algorithm.adv_estimator == "gae"
+        """A critic is needed when the estimator reads values (GAE)."""
+        return self.estimator.needs_critic
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PPOConfig:
         """Build and validate from a plain nested dict (`OmegaConf.to_container(cfg, resolve=True)`)."""
-        d = {k: v for k, v in d.items() if k != "hydra"}
-        return _build(cls, d, "")
-
-
-def _section_type(hint: Any) -> type | None:
-    """The dataclass a field holds (`X` or `X | None`), or None for a leaf."""
-    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    classes = [o for o in options if dataclasses.is_dataclass(o)]
-    return classes[0] if classes else None
-
-
-def _build(cls: type, d: Any, prefix: str) -> Any:
-    """Instantiate dataclass `cls` from mapping `d`, recursing into dataclass-typed fields."""
-    where = prefix.rstrip(".") or "the config root"
-    if not isinstance(d, dict):
-        raise ConfigError(f"{where} must be a mapping, got {type(d).__name__} {d!r}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-        near = difflib.get_close_matches(unknown[0], sorted(names), n=1)
-        raise ConfigError(f"unknown config key(s) {[prefix + k for k in unknown]}" +
-                          (f"; did you mean {prefix + near[0]}?" if near else f"; {where} has {sorted(names)}"))
-    kwargs = {}
-    for key, value in d.items():
-        section = _section_type(hints[key])
-        if section is not None and value is not None:
-            kwargs[key] = _build(section, value, f"{prefix}{key}.")
-        else:
-            kwargs[key] = _check_type(value, hints[key], prefix + key)
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as err:  # the section's own check: name the section unless the message does
-        message = str(err)
-        raise ConfigError(message if message.startswith(where) else f"{where}.{message}") from err
-
-
-_SCALARS = {int: (int,), float: (int, float), bool: (bool,), str: (str,)}
-
-
-def _check_type(value: Any, hint: Any, key: str) -> Any:
-    """Refuse a scalar of the wrong type (e.g. a string where a number belongs); ints pass as floats."""
-    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    if value is None:
-        if type(None) in options:
-            return None
-        raise ConfigError(f"{key} is null; it needs a value of type {hint}")
-    for option in options:
-        accepted = _SCALARS.get(option)
-        if accepted is None:
-            return value  # lists and other containers: the dataclass checks them
-        if isinstance(value, accepted) and not (option is not bool and isinstance(value, bool)):
-            return float(value) if option is float else value
-    raise ConfigError(f"{key}={value!r} has type {type(value).__name__}; it must be {hint}")
-
-
-def defaults(cls: type = PPOConfig) -> dict[str, Any]:
-    """Every default of the config tree as a nested dict, read from the dataclass fields (no instance is built, so
-    no validation runs): the base Hydra node that `ppo_trainer.yaml` and the presets override."""
-    hints = typing.get_type_hints(cls)
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        section = _section_type(hints[f.name])
-        if section is not None and f.default_factory is section:
-            out[f.name] = defaults(section)
-        elif section is not None:  # a section whose default is a configured instance (the critic's optimizer)
-            out[f.name] = dataclasses.asdict(f.default_factory())
-        elif f.default is not dataclasses.MISSING:
-            out[f.name] = f.default
-        else:
-            out[f.name] = f.default_factory()
-    return out
-
-
-def register_configs(name: str = "ppo_trainer_schema", cls: type = PPOConfig) -> None:
-    """Register the defaults of config tree `cls` with Hydra's ConfigStore as `name`, the first entry of its YAML's
-    defaults list (`ppo_trainer.yaml`: `ppo_trainer_schema`), so a preset holds only what it changes. Called at the
-    import of the module that declares `cls`, as Hydra's structured configs are: whoever composes a preset has
-    imported it."""
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name=name, node=defaults(cls))
-
-
-def dict_keys(cls: type = PPOConfig, prefix: str = "") -> list[str]:
-    """The dotted keys of free-form mapping fields (`reward_kwargs`, `override_transformer_config`): any key under
-    them is accepted as it is."""
-    hints = typing.get_type_hints(cls)
-    keys = []
-    for f in dataclasses.fields(cls):
-        section = _section_type(hints[f.name])
-        if section is not None:
-            keys.extend(dict_keys(section, f"{prefix}{f.name}."))
-        elif hints[f.name] is dict or typing.get_origin(hints[f.name]) is dict:
-            keys.append(prefix + f.name)
-    return keys
-
-
-def flat_keys(cls: type = PPOConfig, prefix: str = "") -> list[str]:
-    """Every dotted leaf key the config accepts (the public config surface)."""
-    hints = typing.get_type_hints(cls)
-    keys = []
-    for f in dataclasses.fields(cls):
-        section = _section_type(hints[f.name])
-        if section is not None:
-            keys.extend(flat_keys(section, f"{prefix}{f.name}."))
-        else:
-            keys.append(prefix + f.name)
-    return sorted(keys)
-
-
-register_configs()
+        return build(cls, d)

@@ -26,12 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recipe.config_schema import (
-    ConfigError,
-    PPOConfig,
-    dict_keys,
-    flat_keys,
-)
+from recipe.config_build import ConfigError, dict_keys, flat_keys, register_schema
+from recipe.config_schema import PPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +68,11 @@ class Entry:
     """`python -m <module>`, named in messages."""
     preset_hint: str = ""
     """Said after an unknown --config-name."""
+
+    @property
+    def schema_node(self) -> str:
+        """The Hydra node of the schema's defaults, first in the default preset's defaults list (`ppo_trainer_schema`)."""
+        return f"{self.default_preset}_schema"
 
 
 _LOG_PROB = ("log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")
@@ -324,14 +325,17 @@ def check_same_as(launch: Launch, config: dict[str, Any]) -> None:
         raise ConfigError(" | ".join(refused))
 
 
-def compose(launch: Launch) -> dict[str, Any]:
-    """The composed, resolved config of a command line (Hydra's compose API; its errors as one ConfigError)."""
+def compose(launch: Launch, entry: Entry | None = None) -> dict[str, Any]:
+    """The composed, resolved config of a command line of `entry` (default `PPO`): the entry's schema registered with
+    Hydra (`register_schema`), then Hydra's compose API, its errors as one ConfigError."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    entry = entry or PPO
+    register_schema(entry.schema_node, entry.schema)
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg = hydra_compose(config_name=launch.config_name, overrides=launch.overrides)
@@ -347,7 +351,7 @@ def load(argv: list[str], entry: Entry | None = None) -> tuple[Any, dict[str, An
     plain dict, and the Launch (its one warning). Raises ConfigError (one line) for any mistake."""
     entry = entry or PPO
     launch = prepare(argv, entry)
-    config = compose(launch)
+    config = compose(launch, entry)
     return entry.schema.from_dict(config), config, launch
 
 

@@ -175,6 +175,7 @@ def prepare(cfg: PPOConfig) -> Prepared:
     naming the key."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from recipe.tasks import verl_aliases
     from rollout.interactions.registry import InteractionRegistry
     from rollout.tools.registry import ToolRegistry
 
@@ -190,8 +191,9 @@ def prepare(cfg: PPOConfig) -> Prepared:
     tokenizer = AutoTokenizer.from_pretrained(path)
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     # multi_turn.enable=false: single turn, so no tool or interaction is loaded (rows' kwargs are dropped at load)
-    tools = ToolRegistry.from_config(mt.tool_config_path if mt.enable else None)
-    interactions = InteractionRegistry.from_config(mt.interaction_config_path if mt.enable else None)
+    aliases = verl_aliases()  # verl's paths of the tasks' parts (verl's scorers), for verl's YAML
+    tools = ToolRegistry.from_config(mt.tool_config_path if mt.enable else None, aliases=aliases)
+    interactions = InteractionRegistry.from_config(mt.interaction_config_path if mt.enable else None, aliases=aliases)
     dataset = RLDataset(cfg.data.train_files, tools, interactions, tokenizer=tokenizer,
                         max_prompt_length=cfg.data.max_prompt_length)
     logger.info("data: %d prompts from %s", len(dataset), cfg.data.train_files)

@@ -120,7 +120,7 @@ def run(cfg: SFTConfig, config_dict: dict | None = None) -> dict[str, Any]:
     """Load and encode the data, start the ranks, train, export `<default_local_dir>/hf`; returns the run's figures."""
     import ray
 
-    from recipe.config_schema import is_hub_id
+    from recipe.config_shared import is_hub_id
     from recipe.main_ppo import start_ray
     from recipe.placement import Placement, plan_trainer_only
     from recipe.tracking import Tracking

@@ -55,7 +55,8 @@ def check_layout(cfg: PPOConfig, hf_config: Any) -> None:
 def check_data(cfg: PPOConfig, rows: int, data_sources: set[str]) -> None:
     """Refuse a batch larger than the data, a custom reward function that cannot be loaded, and a data source with
     no scorer."""
-    from recipe.reward.scoring import SCORERS, load_compute_score
+    from recipe.reward.scoring import load_compute_score
+    from recipe.tasks import scorer_paths
 
     if cfg.data.train_batch_size > rows:
         raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} exceeds the {rows} prompts loaded from "
@@ -65,11 +66,12 @@ def check_data(cfg: PPOConfig, rows: int, data_sources: set[str]) -> None:
     except ValueError as err:
         raise ConfigError(str(err)) from err
     if cfg.custom_reward_function.path is None:
-        missing = sorted(data_sources - set(SCORERS))
+        known = scorer_paths()
+        missing = sorted(data_sources - set(known))
         if missing:
             raise ConfigError(f"data_source {missing} in data.train_files / data.val_files has no outcome scorer "
-                              f"(known: {sorted(SCORERS)}); set custom_reward_function.path=<file.py> or register "
-                              "one (recipe.reward.register_scorer)")
+                              f"(known: {sorted(known)}); set custom_reward_function.path=<file.py> or add a task "
+                              "(a module in recipe/tasks/ with the source in DATA_SOURCES)")
 
 
 def check_wandb_login(loggers: list[str]) -> None:

@@ -102,7 +102,7 @@ class Rollouts:
             rolled, kept, filter_m = self._sample(prompts, step, draw, heal=not in_background)
         metrics = {**rollout_metrics(rolled), **self.agent_loop.instance_metrics(), **filter_m}
         collected = Collected(rolled, trainable(kept, self.row_multiple), metrics, in_background=in_background)
-        if self.cfg.algorithm.adv_estimator == "remax" and collected.trains(self.cfg.trainer.max_failed_fraction):
+        if self.cfg.estimator.needs_greedy_rollout and collected.trains(self.cfg.trainer.max_failed_fraction):
             with timer("rollout_greedy"):
                 greedy = self.rollout(prompts.prompts, greedy=True, heal=not in_background)
                 totals = self.reward_fn.terms(greedy).totals(self.reward_fn.weights)  # (P,)

@@ -4,7 +4,8 @@ SFT reuses the RL config's sections where the concept is the same, so every defa
 once: `data.*` extends RL's `DataFiles`, `trainer.*` is RL's `RunConfig`, `model.*` extends the
 roles' `ModelSection` (`enable_gradient_checkpointing`), `optim.*` and `megatron.*` are the actor's
 Megatron sections, `ray_init.*` is RL's. The dataclasses' defaults are registered with Hydra as
-`sft_trainer_schema`; `sft_trainer.yaml` holds only what SFT sets differently. The command line
+`sft_trainer_schema` when the launch composes (`recipe.launch.compose`); `sft_trainer.yaml` holds only what SFT
+sets differently. The command line
 goes through the RL entry's machinery (`recipe.launch`, entry `SFT`): a verl fsdp_sft_trainer key
 polyturn's SFT does not take is refused naming what to use instead (`SFT_VERL_KEYS`), a typo gets
 "did you mean", all before Hydra composes and before Ray starts.
@@ -21,17 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_workers.config import MegatronConfig, OptimConfig
-from recipe.config_schema import (
-    ConfigError,
-    DataFiles,
-    ModelSection,
-    RayInitConfig,
-    RunConfig,
-    _build,
-    is_hub_id,
-    register_configs,
-    resolve_path,
-)
+from recipe.config_build import ConfigError, build
+from recipe.config_shared import DataFiles, ModelSection, RayInitConfig, RunConfig, is_hub_id, resolve_path
 from recipe.data.sft_dataset import TRUNCATIONS
 from recipe.launch import Entry, Rule
 
@@ -117,26 +109,19 @@ class SFTConfig:
                                   "none, drop the key")
         if self.model.enable_gradient_checkpointing:
             m.recompute_activations()
-        mp = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
-        world = self.trainer.n_gpus_per_node * self.trainer.nnodes
-        if world % mp:
-            raise ConfigError(f"trainer.n_gpus_per_node * trainer.nnodes = {world} ranks is not a multiple of tensor x "
-                              f"pipeline parallel size = {mp}; change megatron.* or the rank count")
         if self.data.train_batch_size % self.dp_size:
             raise ConfigError(f"data.train_batch_size={self.data.train_batch_size} cannot be split over {self.dp_size} "
                               "data-parallel ranks; make it a multiple of the DP size")
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel ranks."""
-        m = self.megatron
-        return self.trainer.n_gpus_per_node * self.trainer.nnodes // (m.tensor_model_parallel_size *
-                                                                      m.pipeline_model_parallel_size)
+        """Data-parallel ranks (ConfigError when megatron.* does not divide the trainer's ranks)."""
+        return self.trainer.dp_size(self.megatron)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SFTConfig:
         """Build and validate from a plain nested dict (`OmegaConf.to_container(cfg, resolve=True)`)."""
-        return _build(cls, {k: v for k, v in d.items() if k != "hydra"}, "")
+        return build(cls, d)
 
 
 _ONE_EXPORT = "SFT writes one HF directory, <trainer.default_local_dir>/hf, at the end; drop the key"
@@ -178,5 +163,3 @@ SFT_VERL_KEYS: dict[str, Rule] = {
 
 SFT = Entry(SFTConfig, "sft_trainer", ("sft_trainer",), SFT_VERL_KEYS, "recipe.main_sft")
 """The SFT entry point (`recipe.launch.load(argv, SFT)`)."""
-
-register_configs("sft_trainer_schema", SFTConfig)

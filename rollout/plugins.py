@@ -1,4 +1,7 @@
-"""One loader for the rollout's plug-ins (tools and interactions), in verl's YAML formats.
+"""One loader for every plug-in (tools, interactions, scorers, reward functions), and the rollout's plug-in YAML.
+
+`import_object` loads a dotted path (`package.module.Name`) or verl's file form (`path/to/file.py:name`,
+verl's `custom_reward_function.{path,name}`); tools and interactions come from YAML in verl's formats:
 
     tools:                                   # tool config (multi_turn.tool_config_path)
       - class_name: pkg.module.MyTool        # dotted path; any class with verl's tool methods
@@ -26,9 +29,11 @@ timeout on every call, open/close counted, close guaranteed by `session()` (also
 cancellation). `rollout.tools` and `rollout.interactions` add only what differs (tool limits
 and response shapes; interaction turns).
 
-verl's class paths for what polyturn ships resolve through ONE table, `VERL_ALIASES` (so
-verl's YAML loads unchanged, verl installed or not); any other `verl.*` path imports from verl
-when it is installed, and otherwise fails naming the table.
+verl's class paths for what the rollout ships resolve through ONE table, `VERL_ALIASES` (so
+verl's YAML loads unchanged, verl installed or not); whoever loads a YAML may add aliases of its own
+for the loading (`Registry.from_config(..., aliases=)`: the recipe's tasks map verl's scorers onto
+theirs); any other `verl.*` path imports from verl when it is installed, and otherwise fails naming
+the table.
 
 Tool methods get their `tools_kwargs` in the shape their signature asks for, read once at load
 (`kwargs_shape`): a method with `**kwargs` gets both the keys flat and the same dict under
@@ -46,8 +51,9 @@ import importlib
 import importlib.util
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -76,12 +82,24 @@ VERL_ALIASES: dict[str, str] = {
     "verl.interactions.base.BaseInteraction": "rollout.interactions.base.BaseInteraction",
     "verl.interactions.gsm8k_interaction.Gsm8kInteraction": "rollout.interactions.gsm8k.Gsm8kInteraction",
     "verl.utils.rollout_trace.rollout_trace_op": "rollout.tracing.rollout_trace_op",
-    "verl.utils.reward_score.gsm8k.compute_score": "recipe.reward.gsm8k.compute_score",
 }
 
-# The GSM8K scorer the gsm8k tool and interaction use when their config names none (verl's
-# `config: {type: native}` / `config: {}`): the recipe's, by path, so rollout imports no recipe code.
-GSM8K_SCORE_FN = "recipe.reward.gsm8k.compute_score"
+# The scorer verl's gsm8k tool and interaction use (verl's own path): theirs when their config names no
+# `score_fn` (verl's `config: {type: native}` / `config: {}`); whoever loads the YAML maps it (`aliases`).
+VERL_GSM8K_SCORE_FN = "verl.utils.reward_score.gsm8k.compute_score"
+
+# Aliases added by the caller for the duration of one load (`added_aliases`), on top of VERL_ALIASES.
+_ADDED_ALIASES: ContextVar[Mapping[str, str]] = ContextVar("added_aliases", default={})
+
+
+@contextmanager
+def added_aliases(aliases: Mapping[str, str] | None) -> Iterator[None]:
+    """Within the block, `import_object` also resolves `aliases` (verl path -> polyturn path)."""
+    token = _ADDED_ALIASES.set({**_ADDED_ALIASES.get(), **(aliases or {})})
+    try:
+        yield
+    finally:
+        _ADDED_ALIASES.reset(token)
 
 
 def _verl_installed() -> bool:
@@ -89,18 +107,21 @@ def _verl_installed() -> bool:
 
 
 def import_object(dotted: Any, where: str) -> Any:
-    """Import `package.module.Name` (verl's paths through `VERL_ALIASES`); errors name `where`
-    (e.g. `tools.yaml: tools[2].class_name`)."""
+    """Import `package.module.Name` (verl's paths through `VERL_ALIASES` and the added aliases), or `Name` from a
+    Python file given as `path/to/file.py:Name`; errors name `where` (e.g. `tools.yaml: tools[2].class_name`)."""
+    if isinstance(dotted, str) and dotted.rpartition(":")[0].endswith(".py"):
+        return _import_from_file(*dotted.rsplit(":", 1), where)
     if not isinstance(dotted, str) or "." not in dotted:
         raise PluginConfigError(f"{where}: expected a dotted path like 'package.module.Name', got {dotted!r}")
-    if dotted in VERL_ALIASES:
-        logger.debug("%s: %s resolves to polyturn's %s", where, dotted, VERL_ALIASES[dotted])
-        dotted = VERL_ALIASES[dotted]
+    aliases = {**VERL_ALIASES, **_ADDED_ALIASES.get()}
+    if dotted in aliases:
+        logger.debug("%s: %s resolves to polyturn's %s", where, dotted, aliases[dotted])
+        dotted = aliases[dotted]
     elif dotted.startswith("verl.") and not _verl_installed():
         raise PluginConfigError(
             f"{where}: {dotted} is a verl path with no polyturn counterpart and verl is not installed. "
-            f"polyturn's counterparts of verl's classes are listed in rollout.plugins.VERL_ALIASES: "
-            f"{sorted(VERL_ALIASES)}; use one of those, your own class, or install verl")
+            f"polyturn's counterparts of verl's paths (rollout.plugins.VERL_ALIASES and the recipe's tasks): "
+            f"{sorted(aliases)}; use one of those, your own, or install verl")
     module_name, _, attr = dotted.rpartition(".")
     try:
         module = importlib.import_module(module_name)
@@ -110,6 +131,18 @@ def import_object(dotted: Any, where: str) -> Any:
         ) from exc
     if not hasattr(module, attr):
         raise PluginConfigError(f"{where}: module {module_name!r} has no attribute {attr!r}; check the name")
+    return getattr(module, attr)
+
+
+def _import_from_file(path: str, attr: str, where: str) -> Any:
+    """`attr` of the Python file at `path` (verl's `custom_reward_function.{path,name}` form), run as a module."""
+    spec = importlib.util.spec_from_file_location(f"plugin_file_{Path(path).stem}", path)
+    if spec is None or spec.loader is None or not Path(path).is_file():
+        raise PluginConfigError(f"{where}: {path!r} is not a Python file; point the path at a .py file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, attr):
+        raise PluginConfigError(f"{where}: {path} defines no {attr!r}; name a function or class that file defines")
     return getattr(module, attr)
 
 
@@ -309,9 +342,12 @@ class Registry(Generic[R]):
             self.runners[runner.name] = runner
 
     @classmethod
-    def from_config(cls, source: str | Path | dict[str, Any] | None) -> Registry[R]:
-        """Registry from a YAML path or mapping (None: none of this kind)."""
-        return cls(cls.load(source) if source is not None else [])
+    def from_config(cls, source: str | Path | dict[str, Any] | None,
+                    aliases: Mapping[str, str] | None = None) -> Registry[R]:
+        """Registry from a YAML path or mapping (None: none of this kind); `aliases` (verl path -> polyturn path)
+        resolve on top of VERL_ALIASES while it loads, for class paths and paths in a plug-in's config alike."""
+        with added_aliases(aliases):
+            return cls(cls.load(source) if source is not None else [])
 
     @property
     def names(self) -> list[str]:

@@ -99,3 +99,15 @@ def local_ray_cluster(tmp_path_factory, num_cpus: int, pickle_by_value: str) -> 
         yield
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hydra_schemas() -> None:
+    """The schemas the presets start from, registered with Hydra as the entry points' `recipe.launch.compose` does
+    (tests compose presets with Hydra's compose API directly)."""
+    from recipe.config_build import register_schema
+    from recipe.launch import PPO
+    from recipe.sft_config import SFT
+
+    for entry in (PPO, SFT):
+        register_schema(entry.schema_node, entry.schema)

@@ -8,7 +8,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from recipe.config_schema import ConfigError, PPOConfig, flat_keys
+from recipe.config_build import flat_keys
+from recipe.config_schema import ConfigError, PPOConfig
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "recipe" / "config")
 PRESETS = ("ppo_trainer", "cpu_tiny", "cpu_learn", "gsm8k_qwen2_5_3b")
@@ -121,7 +122,7 @@ def build(overrides: list[str], data_file: str, preset: str = "cpu_tiny") -> PPO
 def test_config_surface_is_frozen():
     """Contract: the accepted keys (schema) are exactly the frozen list, and the composed base config (the
     dataclasses' defaults registered with Hydra, plus ppo_trainer.yaml) holds every one of them, and no other."""
-    assert flat_keys() == sorted(FROZEN_KEYS), "config keys changed: update FROZEN_KEYS on purpose"
+    assert flat_keys(PPOConfig) == sorted(FROZEN_KEYS), "config keys changed: update FROZEN_KEYS on purpose"
     assert sorted(yaml_keys(load("ppo_trainer", []))) == sorted(FROZEN_KEYS)
 
 
@@ -175,6 +176,37 @@ def test_config_schema_imports_neither_megatron_nor_sglang():
 
 
 @pytest.mark.unit
+def test_importing_the_schemas_registers_nothing_with_hydra():
+    """Contract: config_schema and sft_config hold declarations and checks only: importing them registers no Hydra
+    node (a fresh interpreter); recipe.launch.compose registers the entry's schema before it composes."""
+    import subprocess
+    import sys
+
+    code = ("import recipe.config_schema, recipe.sft_config; from hydra.core.config_store import ConfigStore; "
+            "repo = ConfigStore.instance().repo; "
+            "assert not {'ppo_trainer_schema.yaml', 'sft_trainer_schema.yaml'} & set(repo), sorted(repo)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(CONFIG_DIR).parents[1], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.unit
+def test_estimator_needs_come_from_its_registry_entry(data_file, monkeypatch):
+    """Contract: whether a run builds a critic, and whether fully_async is refused for a greedy rollout, is read from
+    the estimator's registry entry (recipe.algos.registry), not its name: a new estimator declaring a critic gets one."""
+    from recipe.algos.registry import ADV_ESTIMATORS, EstimatorSpec
+
+    monkeypatch.setitem(ADV_ESTIMATORS, "my_critic_est", EstimatorSpec("recipe.algos.advantages.gae", needs_critic=True))
+    monkeypatch.setitem(ADV_ESTIMATORS, "my_greedy_est",
+                        EstimatorSpec("recipe.algos.advantages.remax", needs_greedy_rollout=True))
+    cfg = build(["algorithm.adv_estimator=my_critic_est"], data_file)
+    assert cfg.use_critic and "critic" in cfg.workers() and cfg.estimator.needs_critic
+    assert not build(["algorithm.adv_estimator=grpo"], data_file).use_critic
+    with pytest.raises(ConfigError, match=r"adv_estimator=my_greedy_est rolls out a greedy baseline"):
+        build(["algorithm.adv_estimator=my_greedy_est", "async_training.schedule=fully_async",
+               "actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_gpus_per_node=1"], data_file)
+
+
+@pytest.mark.unit
 def test_every_config_field_has_a_docstring():
     """Contract: each field of every config section is declared once, with a string literal right under it."""
     import ast
@@ -182,7 +214,8 @@ def test_every_config_field_has_a_docstring():
     import inspect
     import typing
 
-    from recipe.config_schema import PPOConfig, _section_type
+    from recipe.config_build import section_type
+    from recipe.config_schema import PPOConfig
 
     seen, missing = set(), []
 
@@ -199,8 +232,8 @@ def test_every_config_field_has_a_docstring():
                             and isinstance(nxt.value.value, str)):
                         missing.append(f"{klass.__name__}.{node.target.id}")
         for name, hint in typing.get_type_hints(cls).items():
-            if _section_type(hint) is not None:
-                visit(_section_type(hint))
+            if section_type(hint) is not None:
+                visit(section_type(hint))
 
     visit(PPOConfig)
     assert not missing, f"fields without a docstring: {missing}"
@@ -309,7 +342,7 @@ def test_every_preset_value_is_a_default_or_a_line_of_the_preset(preset):
     SFTConfig, whose sections are the RL config's) likewise."""
     import yaml
 
-    from recipe.config_schema import defaults
+    from recipe.config_build import defaults
     from recipe.sft_config import SFTConfig
 
     sft = preset == "sft_trainer"

@@ -21,7 +21,7 @@ TOOL_CONFIG = ROOT / "tool_configs" / "python_calc_tool_config.yaml"
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
-    from recipe.data.synthetic_math import generate
+    from recipe.tasks.synthetic_math import generate
 
     out = tmp_path_factory.mktemp("synthetic")
     generate(out, seed=3, n_train=300, n_test=50, n_sft=200, tool_fraction=0.3, tool_config=TOOL_CONFIG)
@@ -53,7 +53,7 @@ def test_problems_are_gsm8k_records_with_right_answers_and_unseen_held_out(data_
 @pytest.mark.unit
 def test_same_seed_same_files_other_seed_other_problems(data_dir, tmp_path):
     """Contract: SEED decides the data (byte-identical parquet for the same seed)."""
-    from recipe.data.synthetic_math import generate
+    from recipe.tasks.synthetic_math import generate
 
     generate(tmp_path / "a", seed=3, n_train=300, n_test=50, n_sft=200, tool_config=TOOL_CONFIG)
     generate(tmp_path / "b", seed=4, n_train=300, n_test=50, n_sft=200, tool_config=TOOL_CONFIG)
@@ -67,16 +67,16 @@ def test_rows_load_through_the_rl_dataset_and_score_with_the_gsm8k_scorer(data_d
     """Contract: the RL rows pass RLDataset's validation with the preset's tool config; the gsm8k scorer gives 1 to
     the reference answer's last line and 0 to a wrong one."""
     from recipe.data.dataset import RLDataset
-    from recipe.reward.scoring import SCORERS
+    from recipe.reward.scoring import task_compute_score
     from rollout.interactions.registry import InteractionRegistry
     from rollout.tools.registry import ToolRegistry
 
     tools = ToolRegistry.from_config(str(TOOL_CONFIG))
     data = RLDataset([data_dir / "test.parquet"], tools, InteractionRegistry.from_config(None))
     assert len(data) == 50 and tools.select(data.items[0].tools_kwargs) == ["python"]
-    score = SCORERS[data.items[0].data_source]
-    truth = data.items[0].ground_truth
-    assert score(f"#### {truth}", truth) == 1.0 and score(f"#### {int(truth) + 1}", truth) == 0.0
+    source, truth = data.items[0].data_source, data.items[0].ground_truth
+    score = task_compute_score()
+    assert score(source, f"#### {truth}", truth) == 1.0 and score(source, f"#### {int(truth) + 1}", truth) == 0.0
 
 
 @pytest.mark.unit

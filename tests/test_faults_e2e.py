@@ -31,7 +31,7 @@ import psutil
 import pytest
 
 from recipe import checkpoint
-from recipe.data import gsm8k
+from recipe.tasks import gsm8k
 from tests.test_trainer_e2e import CUSTOM_REWARD, RECORDS
 
 REPO = Path(__file__).resolve().parents[1]

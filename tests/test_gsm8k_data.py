@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from recipe.data import gsm8k
+from recipe.tasks import gsm8k
 from recipe.data.dataset import RLDataset, read_parquet_rows
 from rollout.interactions.registry import InteractionRegistry
 from rollout.tools.registry import ToolRegistry

@@ -120,7 +120,7 @@ def test_name_defaults_and_single_interaction_routing(user_module):
     gsm8ktutor); with one interaction a sample may omit the name."""
     from rollout.interactions.gsm8k import Gsm8kInteraction, Gsm8kTutorInteraction
 
-    score_fn = {"score_fn": "recipe.reward.gsm8k.compute_score"}
+    score_fn = {"score_fn": "recipe.tasks.gsm8k.compute_score"}
     assert Gsm8kInteraction(score_fn).name == "gsm8k" and Gsm8kTutorInteraction(score_fn).name == "gsm8ktutor"
     assert Gsm8kInteraction({"name": "grader", **score_fn}).name == "grader"
     registry = InteractionRegistry.from_config(
@@ -166,7 +166,7 @@ def test_unknown_interaction_name_refused_at_validation_with_known_names():
             r"interaction\[0\]: unknown keys \['kwargs'\]",
         ),
         (
-            [{"class_name": "rollout.interactions.gsm8k.Gsm8kInteraction", "config": {"max_user_turns": 0, "score_fn": "recipe.reward.gsm8k.compute_score"}}],
+            [{"class_name": "rollout.interactions.gsm8k.Gsm8kInteraction", "config": {"max_user_turns": 0, "score_fn": "recipe.tasks.gsm8k.compute_score"}}],
             r"interaction\[0\]: building Gsm8kInteraction failed: .*max_user_turns must be >= 1",
         ),
     ],

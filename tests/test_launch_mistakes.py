@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from recipe import launch
-from recipe.data import gsm8k
+from recipe.tasks import gsm8k
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"

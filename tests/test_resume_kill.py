@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from recipe import checkpoint
-from recipe.data import gsm8k
+from recipe.tasks import gsm8k
 from tests.test_trainer_e2e import CUSTOM_REWARD, RECORDS
 
 REPO = Path(__file__).resolve().parents[1]

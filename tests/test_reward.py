@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from recipe.batch import collate
-from recipe.reward import CustomRewardFunctionConfig, RewardConfig, RewardFn, register_scorer
-from recipe.reward.gsm8k import compute_score
+import recipe.tasks
+from recipe.reward import CustomRewardFunctionConfig, RewardConfig, RewardFn
+from recipe.tasks.gsm8k import compute_score
 from rollout.trajectory import ToolCallRecord, Trajectory, TurnScore
 
 pytestmark = pytest.mark.unit
@@ -79,10 +80,15 @@ def test_custom_reward_function_verl_signature(tmp_path):
         RewardFn(RewardConfig(), CustomRewardFunctionConfig(path=str(path), name="nope"))
 
 
-def test_registry_is_keyed_by_data_source_and_takes_reward_kwargs():
-    """Contract: the outcome scorer is picked by the row's data_source; an unknown source is refused naming the fix;
-    reward_kwargs reach the built-in scorer (e.g. gsm8k's opt-in flexible extraction)."""
-    register_scorer("test/suffix", lambda solution_str, ground_truth, **kw: float(solution_str.endswith(ground_truth)))
+def test_scorer_is_the_task_declaring_the_data_source_and_takes_reward_kwargs(tmp_path, monkeypatch):
+    """Contract: the outcome scorer is picked by the row's data_source from the task module that declares it (a new
+    task is one new file in recipe/tasks/, no registry to edit); an unknown source is refused naming the fix;
+    reward_kwargs reach the task's scorer (e.g. gsm8k's opt-in flexible extraction)."""
+    (tmp_path / "suffix_task.py").write_text(
+        'DATA_SOURCES = ("test/suffix",)\n\n\n'
+        "def compute_score(solution_str, ground_truth, **kw):\n"
+        "    return float(solution_str.endswith(ground_truth))\n")
+    monkeypatch.setattr(recipe.tasks, "__path__", [*recipe.tasks.__path__, str(tmp_path)])
     fn = RewardFn(RewardConfig(), CustomRewardFunctionConfig())
     assert fn.outcome(_traj("a/0", "test/suffix", "ends with abc", truth="abc"))[0] == 1.0
     with pytest.raises(ValueError, match="no outcome scorer for data_source 'math500'.*custom_reward_function.path"):

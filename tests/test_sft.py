@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from recipe.batch import collate
-from recipe.config_schema import ConfigError, ModelConfig, flat_keys
+from recipe.config_build import flat_keys
+from recipe.config_schema import ConfigError, ModelConfig
 from recipe.data.sft_dataset import SFT_KEYS, SFTDataset
 from recipe.sft_config import SFT, SFTConfig
 from rollout.chat_codec import ChatCodec
@@ -111,7 +112,7 @@ def _config(tmp_path: Path, **over) -> dict:
     from recipe import launch
 
     f = _write(tmp_path / "d.parquet", [{"messages": [QUESTION, {"role": "assistant", "content": "5"}]}])
-    cfg = launch.compose(launch.prepare([f"data.train_files=[{f}]", f"model.partial_pretrain={tmp_path}"], SFT))
+    cfg = launch.compose(launch.prepare([f"data.train_files=[{f}]", f"model.partial_pretrain={tmp_path}"], SFT), SFT)
     for key, value in over.items():
         *path, leaf = key.split(".")
         node = cfg
@@ -152,6 +153,9 @@ def test_sft_config_surface_and_errors_name_the_key(tmp_path):
         SFTConfig.from_dict(_config(tmp_path, **{"data.truncation": "left"}))
     with pytest.raises(ConfigError, match=r"data.train_batch_size=3 cannot be split over 2"):
         SFTConfig.from_dict(_config(tmp_path, **{"data.train_batch_size": 3, "trainer.n_gpus_per_node": 2}))
+    with pytest.raises(ConfigError, match=r"= 3 ranks is not a multiple of tensor x pipeline parallel size = 2 "
+                                          r"\(megatron\); change megatron.\* or the rank count"):  # RL's own check
+        SFTConfig.from_dict(_config(tmp_path, **{"trainer.n_gpus_per_node": 3, "megatron.tensor_model_parallel_size": 2}))
 
 
 def _nll(model_dir: Path, batch: dict[str, torch.Tensor]) -> float:

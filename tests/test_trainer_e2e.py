@@ -23,7 +23,7 @@ import torch
 
 from megatron_workers.weights import bucket_by_bytes
 from recipe.config_schema import PPOConfig
-from recipe.data import gsm8k
+from recipe.tasks import gsm8k
 from recipe.batch import collate
 from recipe.group_filter import trainable
 from recipe.rollouts import rollout_with_timeout

@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from recipe.config_schema import PPOConfig
-from recipe.data import gsm8k
+from recipe.tasks import gsm8k
 from tests.test_trainer_e2e import CONFIG_DIR, RECORDS, actor_log_probs, probe
 
 

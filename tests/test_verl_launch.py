@@ -20,7 +20,7 @@ import pytest
 from megatron_workers.config import FULL_RECOMPUTE
 from recipe import launch
 from recipe.config_schema import ConfigError
-from recipe.data import gsm8k
+from recipe.tasks import gsm8k
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from rollout.interactions.registry import InteractionRegistry
-from rollout.plugins import VERL_ALIASES, PluginConfigError, import_object
+from recipe.tasks import gsm8k, verl_aliases
+from rollout.plugins import VERL_ALIASES, PluginConfigError, added_aliases, import_object
 from rollout.tool_parser import MalformedCall, ParsedCall, ToolCallParser
 from rollout.tools.gsm8k_tool import Gsm8kTool
 from rollout.tools.registry import ToolRegistry
@@ -45,11 +46,14 @@ def runner_of(cls: str, properties: dict[str, Any] | None = None, **config: Any)
 @pytest.mark.unit
 def test_verl_yaml_loads_unchanged_with_the_gsm8k_scorer_by_default():
     """Contract: verl's gsm8k tool and interaction YAML (byte-for-byte copies) load as they are: verl's class paths
-    resolve to polyturn's classes through VERL_ALIASES, `config: {type: native}` / `config: {}` get the recipe's
-    GSM8K scorer, and the tool scores verl's way ({"answer": 72} as a number counts, as verl's str() does)."""
+    resolve to polyturn's classes through VERL_ALIASES, `config: {type: native}` / `config: {}` get verl's scorer
+    path, which the recipe's aliases (as main_ppo passes them) map onto the GSM8K task's scorer, and the tool scores
+    verl's way ({"answer": 72} as a number counts, as verl's str() does)."""
     assert "verl.tools.gsm8k_tool.Gsm8kTool" in VERL_TOOL_YAML.read_text()
-    tools = ToolRegistry.from_config(VERL_TOOL_YAML)
-    interactions = InteractionRegistry.from_config(VERL_INTERACTION_YAML)
+    tools = ToolRegistry.from_config(VERL_TOOL_YAML, aliases=verl_aliases())
+    interactions = InteractionRegistry.from_config(VERL_INTERACTION_YAML, aliases=verl_aliases())
+    assert tools.runner("calc_gsm8k_reward").tool.score_fn is gsm8k.compute_score
+    assert interactions.runner("gsm8k").plugin.score_fn is gsm8k.compute_score
     assert tools.names == ["calc_gsm8k_reward"] and interactions.names == ["gsm8k"]
     assert type(tools.runner("calc_gsm8k_reward").tool) is Gsm8kTool
 
@@ -78,6 +82,9 @@ def test_every_alias_resolves_and_an_unknown_verl_path_names_the_table():
     is refused naming VERL_ALIASES, so the user sees what exists."""
     for verl_path in VERL_ALIASES:
         assert import_object(verl_path, "test") is import_object(VERL_ALIASES[verl_path], "test")
+    for verl_path, ours in verl_aliases().items():
+        with added_aliases(verl_aliases()):
+            assert import_object(verl_path, "test") is import_object(ours, "test")
     with pytest.raises(PluginConfigError, match=r"tools\[0\]\.class_name: verl\.tools\.geo3k_tool\.Geo3kTool is a verl "
                                                 r"path with no polyturn counterpart.*rollout\.plugins\.VERL_ALIASES"):
         ToolRegistry.from_config({"tools": [tool_entry("verl.tools.geo3k_tool.Geo3kTool")]})
@@ -434,7 +441,8 @@ def test_verls_gsm8k_yaml_drive_a_multi_turn_rollout_on_sglang(sglang_engine, ti
         tool_config_path=str(VERL_TOOL_YAML), interaction_config_path=str(VERL_INTERACTION_YAML),
         max_assistant_turns=4, max_user_turns=2))
     loop = AgentLoop([steered], AutoTokenizer.from_pretrained(str(tiny_model_dir)), config,
-                     ToolRegistry.from_config(VERL_TOOL_YAML), InteractionRegistry.from_config(VERL_INTERACTION_YAML))
+                     ToolRegistry.from_config(VERL_TOOL_YAML, aliases=verl_aliases()),
+                     InteractionRegistry.from_config(VERL_INTERACTION_YAML, aliases=verl_aliases()))
     row = {"data_source": "openai/gsm8k",
            "prompt": [{"role": "user", "content": "Tom has 8 boxes with 9 apples each. How many apples?"}],
            "reward_model": {"style": "rule", "ground_truth": "72"},

@@ -1,12 +1,11 @@
 """RL algorithms as pure tensor functions: token rewards, advantages, KL, PPO losses.
 
-Submodules: `rewards` (where rewards sit on the token axis), `advantages` (estimator
-registry), `kl` (KL estimators and KL-in-reward controllers), `losses` (policy and value
+Submodules: `rewards` (where rewards sit on the token axis), `advantages` (the estimators),
+`registry` (each estimator's name, function and needs), `kl` (KL estimators and KL-in-reward controllers), `losses` (policy and value
 losses whose micro-batch shares sum to the mini-batch loss), `masked` (masked reductions),
 `checks` (input validation). Everything a trainer needs is re-exported here.
 """
 from recipe.algos.advantages import (
-    ADV_ESTIMATORS,
     FILTER_METRICS,
     AdvantageInputs,
     AlgorithmConfig,
@@ -25,6 +24,7 @@ from recipe.algos.kl import (
 )
 from recipe.algos.losses import LOSS_AGG_MODES, PolicyLossConfig, ValueLossConfig, agg_loss, policy_loss, value_loss
 from recipe.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from recipe.algos.registry import ADV_ESTIMATORS, EstimatorSpec
 from recipe.algos.rewards import last_sampled_index, place_token_rewards
 from recipe.algos.rollout_correction import RolloutCorrectionConfig, rollout_weights
 
@@ -36,6 +36,7 @@ __all__ = [
     "AdaptiveKLController",
     "AdvantageInputs",
     "AlgorithmConfig",
+    "EstimatorSpec",
     "FilterGroupsConfig",
     "FixedKLController",
     "KLControlConfig",

@@ -1,8 +1,8 @@
-"""Advantage estimators, registered by verl's names (`algorithm.adv_estimator`).
+"""Advantage estimators, by verl's names (`algorithm.adv_estimator`; declared in `recipe.algos.registry`).
 
-Each estimator maps `AdvantageInputs` (token rewards (B, T), response mask, and what it
-needs: group ids, values, baselines) to `(advantages, returns)`, both (B, T) and zero where
-the mask is 0.
+Each estimator maps `AdvantageInputs` (token rewards (B, T), response mask, and what its
+registry entry says it reads: group ids, values, baselines) to `(advantages, returns)`, both
+(B, T) and zero where the mask is 0. `compute_advantage` checks the inputs before it calls one.
 
 Multi-turn trajectories: tool and user tokens inside a response have mask 0. Every
 recursion over the token axis *jumps over* them, as if they were not there: no reward is
@@ -29,6 +29,7 @@ from torch import Tensor
 from recipe.algos.checks import check_2d, check_finite, check_mask_values, check_same_shape
 from recipe.algos.kl import KL_KINDS, KLControlConfig
 from recipe.algos.masked import masked_whiten
+from recipe.algos.registry import ADV_ESTIMATORS
 from recipe.algos.rollout_correction import RolloutCorrectionConfig
 
 
@@ -75,7 +76,8 @@ class AlgorithmConfig:
     """`algorithm.*`: advantage estimator, KL in the reward and rollout correction (verl's keys)."""
 
     adv_estimator: str = "grpo"
-    """Advantage estimator, one of ADV_ESTIMATORS (gae needs the critic, remax a greedy rollout per prompt)."""
+    """Advantage estimator, one of recipe.algos.registry.ADV_ESTIMATORS (gae needs the critic, remax a greedy rollout
+    per prompt)."""
     gamma: float = 1.0
     """Discount over sampled tokens (gae, reinforce_plus_plus)."""
     lam: float = 1.0
@@ -115,8 +117,8 @@ class AlgorithmConfig:
             raise ValueError(f"algorithm.kl_penalty is {self.kl_penalty!r}; use one of {KL_KINDS}")
 
 
-def _check_inputs(inputs: AdvantageInputs, needs: str | None = None) -> None:
-    """Shapes agree, rewards finite and only on sampled tokens; the estimator's extra input is present."""
+def _check_inputs(inputs: AdvantageInputs, name: str, needs: tuple[str, ...]) -> None:
+    """Shapes agree, rewards finite and only on sampled tokens; the inputs estimator `name` reads are present."""
     check_2d("response_mask", inputs.response_mask)
     check_mask_values("response_mask", inputs.response_mask)
     check_same_shape("token_rewards", inputs.token_rewards, "response_mask", inputs.response_mask)
@@ -129,19 +131,18 @@ def _check_inputs(inputs: AdvantageInputs, needs: str | None = None) -> None:
             "is 0; rewards must sit on sampled tokens (use place_token_rewards)"
         )
     b = inputs.response_mask.shape[0]
-    if needs == "index":
-        if inputs.index is None or len(inputs.index) != b:
-            got = None if inputs.index is None else len(inputs.index)
-            raise ValueError(f"this estimator needs index (one group id per sample, {b}), got {got}")
-    elif needs == "values":
+    if "index" in needs and (inputs.index is None or len(inputs.index) != b):
+        got = None if inputs.index is None else len(inputs.index)
+        raise ValueError(f"{name} needs index (one group id per sample, {b}), got {got}")
+    if "values" in needs:
         if inputs.values is None:
-            raise ValueError("gae needs values (B, T) from the critic; enable the critic or pick grpo")
+            raise ValueError(f"{name} needs values (B, T) from the critic; enable the critic or pick grpo")
         check_same_shape("values", inputs.values, "response_mask", inputs.response_mask)
         check_finite("value", inputs.values, inputs.response_mask)
-    elif needs == "reward_baselines":
+    if "reward_baselines" in needs:
         if inputs.reward_baselines is None or tuple(inputs.reward_baselines.shape) != (b,):
             got = None if inputs.reward_baselines is None else tuple(inputs.reward_baselines.shape)
-            raise ValueError(f"remax needs reward_baselines of shape ({b},), got {got}")
+            raise ValueError(f"{name} needs reward_baselines of shape ({b},), got {got}")
         check_finite("reward baseline", inputs.reward_baselines)
 
 
@@ -185,7 +186,6 @@ def gae(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     delta_t = r_t + gamma V_next - V_t and A_t = delta_t + gamma lambda A_next, where "next"
     is the next *sampled* token (0 after the last one).
     """
-    _check_inputs(inputs, needs="values")
     rewards, mask, values = inputs.token_rewards, inputs.response_mask, inputs.values
     b, t_len = rewards.shape
     next_value = torch.zeros(b, dtype=values.dtype, device=values.device)  # (B,)
@@ -211,7 +211,6 @@ def _outcome_scores(inputs: AdvantageInputs) -> Tensor:
 
 def grpo(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     """(score - group mean) [/ (group std + epsilon)], broadcast to every sampled token."""
-    _check_inputs(inputs, needs="index")
     scores = _outcome_scores(inputs)  # (B,)
     count, total, std = _group_stats(scores, _group_ids(inputs.index, scores.device))
     adv = scores - total / count  # a singleton is its own mean: 0
@@ -223,7 +222,6 @@ def grpo(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]
 
 def rloo(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     """Score minus the mean score of the *other* samples of the group (leave-one-out)."""
-    _check_inputs(inputs, needs="index")
     scores = _outcome_scores(inputs)  # (B,)
     count, total, _ = _group_stats(scores, _group_ids(inputs.index, scores.device))
     adv = torch.where(count > 1, scores - (total - scores) / (count - 1).clamp(min=1), 0.0)  # singleton: 0
@@ -233,7 +231,6 @@ def rloo(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]
 
 def reinforce_plus_plus(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     """Discounted return-to-go over sampled tokens, whitened over the batch (REINFORCE++)."""
-    _check_inputs(inputs)
     mask = inputs.response_mask
     returns = _reverse_scan(inputs.token_rewards, mask, lambda r, g: r + cfg.gamma * g)  # (B, T)
     returns = returns * mask
@@ -242,7 +239,6 @@ def reinforce_plus_plus(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[
 
 def reinforce_plus_plus_baseline(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     """Score minus group mean, broadcast to tokens, then whitened over the batch."""
-    _check_inputs(inputs, needs="index")
     scores = _outcome_scores(inputs)  # (B,)
     count, total, _ = _group_stats(scores, _group_ids(inputs.index, scores.device))
     centred = scores - total / count  # a singleton is its own mean: 0
@@ -254,25 +250,16 @@ def reinforce_plus_plus_baseline(inputs: AdvantageInputs, cfg: AlgorithmConfig) 
 
 def remax(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
     """Undiscounted return-to-go minus the greedy sample's reward (ReMax)."""
-    _check_inputs(inputs, needs="reward_baselines")
     mask = inputs.response_mask
     returns = _reverse_scan(inputs.token_rewards, mask, lambda r, g: r + g) * mask  # (B, T)
     adv = (returns - inputs.reward_baselines.unsqueeze(-1)) * mask
     return adv, returns
 
 
-ADV_ESTIMATORS: dict[str, Callable[[AdvantageInputs, AlgorithmConfig], tuple[Tensor, Tensor]]] = {
-    "gae": gae,
-    "grpo": grpo,
-    "rloo": rloo,
-    "reinforce_plus_plus": reinforce_plus_plus,
-    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline,
-    "remax": remax,
-}
-
-
 def compute_advantage(inputs: AdvantageInputs, cfg: AlgorithmConfig) -> tuple[Tensor, Tensor]:
-    """Run the estimator `cfg.adv_estimator` names; returns (advantages, returns), both (B, T)."""
-    advantages, returns = ADV_ESTIMATORS[cfg.adv_estimator](inputs, cfg)
+    """Run the estimator `cfg.adv_estimator` names on checked inputs; returns (advantages, returns), both (B, T)."""
+    spec = ADV_ESTIMATORS[cfg.adv_estimator]
+    _check_inputs(inputs, cfg.adv_estimator, spec.inputs)
+    advantages, returns = spec.load()(inputs, cfg)
     check_finite("advantage", advantages, inputs.response_mask)
     return advantages, returns

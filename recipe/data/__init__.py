@@ -1,1 +1,2 @@
-"""Datasets: GSM8K preprocessing into verl-format parquet, and the validated prompt batches the trainer reads."""
+"""Datasets: the validated prompt batches the trainer reads (RL) and the SFT conversations; the tasks' own rows
+are built in recipe/tasks/."""

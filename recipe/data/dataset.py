@@ -50,7 +50,7 @@ def read_parquet_rows(files: Sequence[str | Path]) -> list[tuple[str, dict[str, 
     rows = []
     for f in files:
         if not Path(f).is_file():
-            raise FileNotFoundError(f"data file {f} not found; preprocess the data first (e.g. python -m recipe.data.gsm8k)")
+            raise FileNotFoundError(f"data file {f} not found; preprocess the data first (e.g. python -m recipe.tasks.gsm8k)")
         rows.extend((f"{f}[{i}]", row) for i, row in enumerate(pq.read_table(str(f)).to_pylist()))
     return rows
 

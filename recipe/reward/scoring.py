@@ -3,8 +3,9 @@
 A trajectory earns four kinds of reward, each weighted by `reward.*`:
 - outcome: `compute_score(data_source, solution_str, ground_truth, extra_info, **reward_kwargs)`
   on the text the policy wrote (its assistant messages). The function is verl's
-  `custom_reward_function.{path,name}` when set, else the scorer registered for the row's
-  data source (`SCORERS`, `register_scorer`). It returns a float, or a dict with "score" whose
+  `custom_reward_function.{path,name}` when set, else the scorer of the task that declares the
+  row's data source (`task_compute_score`: a module of `recipe.tasks`). Both load through the one
+  plug-in loader (`rollout.plugins.import_object`). It returns a float, or a dict with "score" whose
   other keys become `reward/extra/<key>/mean` metrics; placed on the last sampled token.
 - tool step rewards: each call's reward from `execute`, on the last token of the assistant turn
   that made the call (`ToolCallRecord.turn`).
@@ -23,24 +24,20 @@ never on tool responses or user turns, which may quote an answer (the gsm8k tool
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from recipe.algos import place_token_rewards
-from recipe.reward import gsm8k
+from recipe.tasks import scorer_paths
+from rollout.plugins import PluginConfigError, import_object
 from rollout.trajectory import Trajectory
 
-Scorer = Callable[..., "float | dict[str, Any]"]  # (solution_str, ground_truth, **reward_kwargs)
 ComputeScore = Callable[..., "float | dict[str, Any]"]  # (data_source, solution_str, ground_truth, extra_info, **kw)
-
-SCORERS: dict[str, Scorer] = {source: gsm8k.compute_score for source in gsm8k.DATA_SOURCES}
 
 
 @dataclass
@@ -62,7 +59,8 @@ class CustomRewardFunctionConfig:
     """`custom_reward_function.*` (verl's keys): the outcome scorer from a Python file instead of the registry."""
 
     path: str | None = None
-    """Python file defining the function; None: the built-in scorer registered for each row's data_source."""
+    """Python file defining the function; None: the scorer of the task (recipe/tasks/) declaring each row's
+    data_source."""
     name: str = "compute_score"
     """Function in that file: `compute_score(data_source, solution_str, ground_truth, extra_info, **reward_kwargs)`
     returning a float or a dict with "score" (its other keys become `reward/extra/*` metrics)."""
@@ -75,34 +73,34 @@ class CustomRewardFunctionConfig:
                              "e.g. custom_reward_function.reward_kwargs={method: flexible}")
 
 
-def register_scorer(data_source: str, scorer: Scorer) -> None:
-    """Score rows of `data_source` with `scorer(solution_str, ground_truth, **reward_kwargs)`."""
-    SCORERS[data_source] = scorer
+def task_compute_score() -> ComputeScore:
+    """verl's `default_compute_score` role: each row scored by the task that declares its data source
+    (`recipe.tasks`), called as `compute_score(solution_str, ground_truth, **reward_kwargs)`."""
+    scorers = {source: import_object(path, f"the scorer of data_source {source!r}")
+               for source, path in scorer_paths().items()}
 
+    def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
+                      **reward_kwargs: Any) -> float | dict[str, Any]:
+        scorer = scorers.get(data_source)
+        if scorer is None:
+            raise ValueError(f"no outcome scorer for data_source {data_source!r}; known: {sorted(scorers)}. Add a task "
+                             "(a module in recipe/tasks/ with it in DATA_SOURCES) or set custom_reward_function.path")
+        return scorer(solution_str, ground_truth, **reward_kwargs)
 
-def default_compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
-                          **reward_kwargs: Any) -> float | dict[str, Any]:
-    """The scorer registered for `data_source` (verl's `default_compute_score` role)."""
-    scorer = SCORERS.get(data_source)
-    if scorer is None:
-        raise ValueError(f"no outcome scorer for data_source {data_source!r}; known: {sorted(SCORERS)}. Register one "
-                         "(recipe.reward.register_scorer) or set custom_reward_function.path")
-    return scorer(solution_str, ground_truth, **reward_kwargs)
+    return compute_score
 
 
 def load_compute_score(cfg: CustomRewardFunctionConfig) -> ComputeScore:
-    """The outcome function `cfg` names (with its reward_kwargs bound), or the registry's."""
-    fn: ComputeScore = default_compute_score
+    """The outcome function `cfg` names (with its reward_kwargs bound), or the tasks' (`task_compute_score`)."""
+    fn: ComputeScore = task_compute_score()
     if cfg.path is not None:
-        spec = importlib.util.spec_from_file_location(f"custom_reward_{Path(cfg.path).stem}", cfg.path)
-        if spec is None or spec.loader is None:
-            raise ValueError(f"custom_reward_function.path={cfg.path!r} is not a Python file; point it at a .py file")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        fn = getattr(module, cfg.name, None)
+        where = f"custom_reward_function.name={cfg.name!r}"
+        try:
+            fn = import_object(f"{cfg.path}:{cfg.name}", where)
+        except PluginConfigError as err:
+            raise ValueError(str(err)) from None
         if not callable(fn):
-            raise ValueError(f"custom_reward_function.name={cfg.name!r}: {cfg.path} defines no such function; "
-                             "name the function that computes the score")
+            raise ValueError(f"{where}: not a function; name the function that computes the score")
     return functools.partial(fn, **cfg.reward_kwargs) if cfg.reward_kwargs else fn
 
 

@@ -3,9 +3,9 @@
 Both read the sample's `interaction_kwargs`: `ground_truth` (the final number) and, for the
 tutor, `solution` (GSM8K's reference solution text, steps on separate lines, `#### N` last).
 Each user turn grades the last assistant message with the scorer named by `config.score_fn`
-(a dotted path; by default the recipe's `recipe.reward.gsm8k.compute_score`,
-`rollout.plugins.GSM8K_SCORE_FN`, so rollout and reward share one scorer and verl's
-`config: {}` loads as it is) with verl's strict extraction (`config.method: flexible`
+(a dotted path: the task's scorer, which the outcome reward uses too, so rollout and reward
+share one scorer; without it, as in verl's `config: {}`, verl's own scorer path
+`rollout.plugins.VERL_GSM8K_SCORE_FN`, which verl resolves or the loader's aliases map) with verl's strict extraction (`config.method: flexible`
 opts in to the last number anywhere); a correct answer ends the conversation with score 1.0. Otherwise `Gsm8kInteraction` gives verl's "incorrect, reflect and try again" feedback and
 `Gsm8kTutorInteraction` reveals the next step of the reference solution, until
 `max_user_turns` (config, default 3) user turns are spent.
@@ -20,7 +20,7 @@ import re
 from typing import Any
 
 from rollout.interactions.base import BaseInteraction
-from rollout.plugins import GSM8K_SCORE_FN, import_object
+from rollout.plugins import VERL_GSM8K_SCORE_FN, import_object
 
 _CALCULATOR = re.compile(r"<<[^>]*>>")
 
@@ -51,7 +51,7 @@ class Gsm8kInteraction(BaseInteraction):
     def __init__(self, config: dict[str, Any]):
         super().__init__(config)
         self.max_user_turns = int(self.config.get("max_user_turns", 3))
-        self.score_fn = import_object(self.config.get("score_fn", GSM8K_SCORE_FN),
+        self.score_fn = import_object(self.config.get("score_fn", VERL_GSM8K_SCORE_FN),
                                       f"interaction {self.name!r} config.score_fn")
         self.method = self.config.get("method", "strict")
         if self.max_user_turns < 1:

@@ -4,7 +4,7 @@
     interaction:
       - name: gsm8k                                          # optional; verl's default from the class name
         class_name: rollout.interactions.gsm8k.Gsm8kInteraction
-        config: {max_user_turns: 3, score_fn: recipe.reward.gsm8k.compute_score}
+        config: {max_user_turns: 3, score_fn: pkg.task.compute_score}
 
 A sample picks its interaction with `extra_info.interaction_kwargs.name`; with a single
 registered interaction the name may be omitted. `validate_sample` refuses an unknown name

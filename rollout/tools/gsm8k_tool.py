@@ -9,17 +9,19 @@ and a step reward, as verl's tool does:
   `penalty` (default -0.05) otherwise (discourages resubmitting the same wrong answer);
 - `calc_reward` is the best score the instance reached.
 
-The scorer is not the rollout's: `config.score_fn` is a dotted path, by default the recipe's
-`recipe.reward.gsm8k.compute_score` (`rollout.plugins.GSM8K_SCORE_FN`), so the tool and the
-outcome reward cannot disagree, and verl's `config: {type: native}` loads as it is. Departs from verl: verl keeps the best answer text and
-scores it once more in `calc_reward`; this keeps the best score.
+The scorer is not the rollout's: `config.score_fn` is a dotted path, the task's scorer that the
+outcome reward uses too (tool_configs/gsm8k_tool_config.yaml), so the tool and the outcome reward
+cannot disagree. Without it (verl's `config: {type: native}`), verl's own scorer path
+(`rollout.plugins.VERL_GSM8K_SCORE_FN`), which verl resolves or the loader's aliases map. Departs
+from verl: verl keeps the best answer text and scores it once more in `calc_reward`; this keeps the
+best score.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from rollout.plugins import GSM8K_SCORE_FN, import_object
+from rollout.plugins import VERL_GSM8K_SCORE_FN, import_object
 from rollout.tools.base import BaseTool
 from rollout.tools.schemas import ToolResponse
 from rollout.tracing import rollout_trace_op
@@ -29,13 +31,13 @@ class Gsm8kTool(BaseTool):
     """`calc_gsm8k_reward`: checks a submitted GSM8K answer against the sample's ground truth.
 
     Config: `score_fn` (dotted path of `f(solution_str, ground_truth, method=, format_score=)`,
-    default the recipe's GSM8K scorer), `method` (default flexible, as verl's tool: the answer argument is often a bare
+    default verl's scorer path), `method` (default flexible, as verl's tool: the answer argument is often a bare
     number), `format_score` (default 0.0), `penalty` (step reward of a non-improving call, default -0.05).
     """
 
     def __init__(self, config: dict[str, Any], tool_schema):
         super().__init__(config, tool_schema)
-        self.score_fn = import_object(self.config.get("score_fn", GSM8K_SCORE_FN), "config.score_fn")
+        self.score_fn = import_object(self.config.get("score_fn", VERL_GSM8K_SCORE_FN), "config.score_fn")
         self.method = self.config.get("method", "flexible")
         self.format_score = float(self.config.get("format_score", 0.0))
         self.penalty = float(self.config.get("penalty", -0.05))

@@ -1,8 +1,7 @@
-"""GSM8K preprocessing: raw `{question, answer}` records -> parquet rows in verl's RL format.
+"""GSM8K, the whole task: its data sources, raw records -> verl RL rows, and the answer scorer.
 
-Reads the two splits from a local directory of `train.jsonl` / `test.jsonl` (GSM8K's own
-format, as published in `openai/gsm8k`), or from the hub with `huggingface_hub` on machines
-that can reach it, and writes `train.parquet` / `test.parquet`. One row per problem:
+Rows (`preprocess`, from a local directory of GSM8K's `train.jsonl` / `test.jsonl`, as published
+in `openai/gsm8k`, or from the hub with `huggingface_hub`), one per problem:
 
     data_source   "openai/gsm8k"
     prompt        [system message, user message]   (chat messages)
@@ -12,14 +11,22 @@ that can reach it, and writes `train.parquet` / `test.parquet`. One row per prob
                    tools_kwargs {calc_gsm8k_reward: {create_kwargs: {ground_truth}}},
                    interaction_kwargs {name, query, ground_truth, solution}}
 
-so one file serves the single-turn scorer, the `calc_gsm8k_reward` tool and both GSM8K
+so one file serves the outcome reward, the `calc_gsm8k_reward` tool and both GSM8K
 interactions (`gsm8k` reads `ground_truth`, `gsm8k_tutor` also reads `solution`).
 
-Where it departs from verl's `gsm8k_multiturn_w_tool.py`: the ground truth goes through the
-same extraction the scorer uses (`recipe.reward.gsm8k.extract_solution`), so "1,000" is stored
-as "1000"; a record whose answer has no `#### N` line is refused, naming the record.
+Scoring (`compute_score`, the one GSM8K scorer: the outcome reward finds it by `DATA_SOURCES`, the
+tool and interaction YAML name it by dotted path, `config.score_fn`) is verl's: the solution is cut
+to its last 300 characters, `strict` takes the number after the last `####` and scores 0 when there
+is none (a format miss); `flexible` (opt-in) takes the last number anywhere. A found answer scores
+`score` when it equals the ground truth, else `format_score`.
 
-CLI: `python -m recipe.data.gsm8k --out DIR [--local-dir DIR_WITH_JSONL]`.
+Where it departs from verl: numbers are compared by value after dropping `$`, `,` and a trailing
+`.` ("1,000" == "1000" == "1000.00"; verl compares the strings), and `#### 72` and `####72` both
+count; a ground truth that is not a number is compared as text (a bad row scores 0, it never
+stops the run). The ground truth of a row goes through the scorer's own extraction, so "1,000" is
+stored as "1000"; a record whose answer has no `#### N` line is refused, naming the record.
+
+CLI: `python -m recipe.tasks.gsm8k --out DIR [--local-dir DIR_WITH_JSONL]`.
 """
 from __future__ import annotations
 
@@ -27,15 +34,21 @@ import argparse
 import itertools
 import json
 import logging
-from collections.abc import Iterable, Iterator
+import re
+from collections.abc import Iterator
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
-from recipe.reward.gsm8k import extract_solution
+from recipe.tasks import write_rows
 
 logger = logging.getLogger(__name__)
 
 DATA_SOURCE = "openai/gsm8k"
+DATA_SOURCES = (DATA_SOURCE, "gsm8k")
+"""The `data_source` values this task scores (`gsm8k`: the CPU preset's synthetic GSM8K-format rows)."""
+VERL_ALIASES = {"verl.utils.reward_score.gsm8k.compute_score": f"{__name__}.compute_score"}
+"""verl's GSM8K scorer, which verl's gsm8k tool and interaction YAML use by default, is this one."""
 HUB_CONFIG = "main"
 SPLITS = ("train", "test")
 TOOL_NAME = "calc_gsm8k_reward"
@@ -47,6 +60,49 @@ SYSTEM_PROMPT = (
     "your reply with the final number written as `#### <answer>`."
 )
 USER_SUFFIX = "Solve it step by step and write the final answer after `####`."
+
+METHODS = ("strict", "flexible")
+CLIP_CHARS = 300  # only the end of a solution is searched, as in verl
+
+_STRICT = re.compile(r"#### *(-?\$?[0-9][0-9.,]*)")
+_NUMBER = re.compile(r"-?\$?[0-9][0-9.,]*|-?\.[0-9]+")
+
+
+def normalize_number(text: str) -> str | None:
+    """`"$1,000."` -> `"1000"`; None when the text is not a finite number."""
+    cleaned = text.strip().replace(",", "").replace("$", "").rstrip(".")
+    try:
+        value = Decimal(cleaned)
+    except InvalidOperation:
+        return None
+    if not value.is_finite():
+        return None
+    normalized = format(value.normalize(), "f")
+    return "0" if normalized in {"-0", "0"} else normalized
+
+
+def extract_solution(solution_str: str, method: str = "strict") -> str | None:
+    """The final answer among the last CLIP_CHARS characters, normalized; None when there is none."""
+    if method not in METHODS:
+        raise ValueError(f"unknown gsm8k extraction method {method!r}; use one of {METHODS}")
+    tail = solution_str[-CLIP_CHARS:]
+    matches = (_STRICT if method == "strict" else _NUMBER).findall(tail)
+    for candidate in reversed(matches):
+        number = normalize_number(candidate)
+        if number is not None:
+            return number
+    return None
+
+
+def compute_score(solution_str: str, ground_truth: object, method: str = "strict", format_score: float = 0.0,
+                  score: float = 1.0) -> float:
+    """`score` if the answer equals `ground_truth`, `format_score` if an answer was found but differs, 0.0 if none."""
+    answer = extract_solution(solution_str, method)
+    if answer is None:
+        return 0.0
+    truth = str(ground_truth).strip()
+    return score if answer == (normalize_number(truth) or truth) else format_score
+
 
 
 def ground_truth_of(answer: str, where: str) -> str:
@@ -111,17 +167,6 @@ def read_hub_split(split: str) -> Iterator[dict[str, Any]]:
         yield from pq.read_table(hf_hub_download(DATA_SOURCE, name, repo_type="dataset")).to_pylist()
 
 
-def write_rows(rows: Iterable[dict[str, Any]], path: str | Path) -> int:
-    """Write rows to a parquet file; returns the row count."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rows = list(rows)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(rows), str(path))
-    return len(rows)
-
-
 def preprocess(out_dir: str | Path, local_dir: str | Path | None = None, limit: int | None = None,
                interaction: str = DEFAULT_INTERACTION) -> dict[str, Path]:
     """Write `<out_dir>/{train,test}.parquet` from `local_dir` (jsonl) or the hub; returns the paths.
@@ -141,7 +186,7 @@ def preprocess(out_dir: str | Path, local_dir: str | Path | None = None, limit: 
 
 def main(argv: list[str] | None = None) -> None:
     """CLI entry: see the module docstring."""
-    parser = argparse.ArgumentParser(prog="python -m recipe.data.gsm8k", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m recipe.tasks.gsm8k", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="where train/test.parquet are written")
     parser.add_argument("--local-dir", type=Path, metavar="DIR", help="dir with GSM8K train.jsonl / test.jsonl; "
                         "default: download openai/gsm8k from the hub")

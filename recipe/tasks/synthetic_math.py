@@ -3,8 +3,8 @@
 The CPU preset's task (`run_gsm8k.sh` without a GPU). Each problem is a one-step word problem
 with one- and two-digit operands, written as a GSM8K record (`question`, and an `answer` whose
 last line is `#### N`), so it goes through the GSM8K code paths unchanged: the ground truth is
-extracted by `recipe.data.gsm8k.ground_truth_of`, rows are read by `RLDataset`, and the outcome is
-scored by the registered `gsm8k` scorer (strict `#### N`). The policy may call the `python` tool
+extracted by `recipe.tasks.gsm8k.ground_truth_of`, rows are read by `RLDataset`, and the outcome is
+scored by the GSM8K task's scorer (strict `#### N`; its DATA_SOURCES include "gsm8k"). The policy may call the `python` tool
 (`tool_configs/python_calc_tool_config.yaml`: the sandbox, a one-line schema) as a calculator.
 
 Files written to `--out`:
@@ -26,7 +26,7 @@ problems' rewards: call the tool every time. Held-out problems never occur in tr
 Departs from GSM8K: one arithmetic step per problem and a short system line (the tool block of
 the chat template is the bulk of the prompt already).
 
-CLI: `python -m recipe.data.synthetic_math --out DIR [--seed S --train N --test N --sft N --tool-fraction F]`.
+CLI: `python -m recipe.tasks.synthetic_math --out DIR [--seed S --train N --test N --sft N --tool-fraction F]`.
 """
 from __future__ import annotations
 
@@ -38,12 +38,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from recipe.data.gsm8k import ground_truth_of, write_rows
+from recipe.tasks import write_rows
+from recipe.tasks.gsm8k import ground_truth_of
 
 logger = logging.getLogger(__name__)
 
 DATA_SOURCE = "gsm8k"
-"""Scored by the registered GSM8K scorer (recipe.reward.gsm8k)."""
+"""Scored by the GSM8K task's scorer (recipe.tasks.gsm8k declares this source)."""
 TOOL_CONFIG = "tool_configs/python_calc_tool_config.yaml"
 TOOL_NAME = "python"
 SYSTEM_PROMPT = "Solve it. You may compute with the python tool. End with #### <answer>."
@@ -88,7 +89,7 @@ def make_record(rng: random.Random) -> dict[str, Any]:
 
 
 def rl_row(record: dict[str, Any], split: str, index: int) -> dict[str, Any]:
-    """A verl RL row (GSM8K's layout, see recipe.data.gsm8k) for one record."""
+    """A verl RL row (GSM8K's layout, see recipe.tasks.gsm8k) for one record."""
     truth = ground_truth_of(record["answer"], f"synthetic {split}[{index}]")
     return {
         "data_source": DATA_SOURCE,
@@ -164,7 +165,7 @@ def generate(out_dir: str | Path, *, seed: int = 0, n_train: int = 4000, n_test:
 
 def main(argv: list[str] | None = None) -> None:
     """CLI entry: see the module docstring."""
-    parser = argparse.ArgumentParser(prog="python -m recipe.data.synthetic_math", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m recipe.tasks.synthetic_math", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="where the parquet files are written")
     parser.add_argument("--seed", type=int, default=0, help="problem and demo seed")
     parser.add_argument("--train", type=int, default=4000, metavar="N", help="RL training problems")

@@ -1,0 +1,135 @@
+"""Config trees of dataclasses <-> plain dicts: the generic builder, the defaults, the key lists, Hydra's schema node.
+
+`build(cls, d)` turns a plain nested dict (Hydra's composed config) into dataclass tree `cls`,
+each section built by its own `__post_init__` checks; an unknown key anywhere is refused naming
+its full dotted path (with "did you mean"), a scalar of the wrong type naming its key. `defaults`,
+`flat_keys` and `dict_keys` read a tree's declarations without building it; `register_schema`
+hands the defaults to Hydra. The declarations themselves live in `recipe.config_schema` (RL) and
+`recipe.sft_config` (SFT).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown or inconsistent; the message names the key and the fix."""
+
+
+def build(cls: type, d: dict[str, Any]) -> Any:
+    """Dataclass tree `cls` built and validated from a plain nested dict (`OmegaConf.to_container(cfg,
+    resolve=True)`; Hydra's own `hydra` node is dropped). Raises ConfigError naming the key."""
+    return _build(cls, {k: v for k, v in d.items() if k != "hydra"}, "")
+
+
+def section_type(hint: Any) -> type | None:
+    """The dataclass a field holds (`X` or `X | None`), or None for a leaf."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    classes = [o for o in options if dataclasses.is_dataclass(o)]
+    return classes[0] if classes else None
+
+
+def _build(cls: type, d: Any, prefix: str) -> Any:
+    """Instantiate dataclass `cls` from mapping `d` (keys under `prefix`), recursing into dataclass-typed fields."""
+    where = prefix.rstrip(".") or "the config root"
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(d).__name__} {d!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], sorted(names), n=1)
+        raise ConfigError(f"unknown config key(s) {[prefix + k for k in unknown]}" +
+                          (f"; did you mean {prefix + near[0]}?" if near else f"; {where} has {sorted(names)}"))
+    kwargs = {}
+    for key, value in d.items():
+        section = section_type(hints[key])
+        if section is not None and value is not None:
+            kwargs[key] = _build(section, value, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _check_type(value, hints[key], prefix + key)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as err:  # the section's own check: name the section unless the message does
+        message = str(err)
+        raise ConfigError(message if message.startswith(where) else f"{where}.{message}") from err
+
+
+_SCALARS = {int: (int,), float: (int, float), bool: (bool,), str: (str,)}
+
+
+def _check_type(value: Any, hint: Any, key: str) -> Any:
+    """Refuse a scalar of the wrong type (e.g. a string where a number belongs); ints pass as floats."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ConfigError(f"{key} is null; it needs a value of type {hint}")
+    for option in options:
+        accepted = _SCALARS.get(option)
+        if accepted is None:
+            return value  # lists and other containers: the dataclass checks them
+        if isinstance(value, accepted) and not (option is not bool and isinstance(value, bool)):
+            return float(value) if option is float else value
+    raise ConfigError(f"{key}={value!r} has type {type(value).__name__}; it must be {hint}")
+
+
+def defaults(cls: type) -> dict[str, Any]:
+    """Every default of the config tree as a nested dict, read from the dataclass fields (no instance is built, so
+    no validation runs): the base Hydra node that `ppo_trainer.yaml` and the presets override."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        section = section_type(hints[f.name])
+        if section is not None and f.default_factory is section:
+            out[f.name] = defaults(section)
+        elif section is not None:  # a section whose default is a configured instance (the critic's optimizer)
+            out[f.name] = dataclasses.asdict(f.default_factory())
+        elif f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        else:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def register_schema(name: str, cls: type) -> None:
+    """Register the defaults of config tree `cls` with Hydra's ConfigStore as `name`, the first entry of its YAML's
+    defaults list (`ppo_trainer.yaml`: `ppo_trainer_schema`), so a preset holds only what it changes. Whoever
+    composes a preset calls it first (`recipe.launch.compose`); registering again replaces the node."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=name, node=defaults(cls))
+
+
+def dict_keys(cls: type, prefix: str = "") -> list[str]:
+    """The dotted keys of free-form mapping fields (`reward_kwargs`, `override_transformer_config`): any key under
+    them is accepted as it is."""
+    hints = typing.get_type_hints(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        section = section_type(hints[f.name])
+        if section is not None:
+            keys.extend(dict_keys(section, f"{prefix}{f.name}."))
+        elif hints[f.name] is dict or typing.get_origin(hints[f.name]) is dict:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def flat_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted leaf key the config accepts (the public config surface)."""
+    hints = typing.get_type_hints(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        section = section_type(hints[f.name])
+        if section is not None:
+            keys.extend(flat_keys(section, f"{prefix}{f.name}."))
+        else:
+            keys.append(prefix + f.name)
+    return sorted(keys)
+

@@ -38,6 +38,7 @@ STEPS = 2  # k + 1
 ROLLOUT_STARTS = "rollout started: "  # the agent loop's log line: a rollout began
 MINI_BATCHES = 2  # data.train_batch_size 4 / ppo_mini_batch_size 2: optimizer steps per trainer step
 WALL_CLOCK = ("timing/", "perf/", "weight_sync/seconds", "weight_sync/send_seconds", "weight_sync/peak_extra_mb")
+pytestmark = pytest.mark.timeout(1800)  # the first test's setup holds the module's five launches (`launches`)
 
 
 def _command(root: Path, out: Path, extra: tuple[str, ...] = ()) -> list[str]:

@@ -48,7 +48,7 @@ def _command(root: Path, out: Path, restarts: int) -> list[str]:
             f"data.train_files=[{root / 'data' / 'train.parquet'}]", f"trainer.default_local_dir={out}",
             "trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.resume_mode=auto",
             "trainer.logger=[console]", f"custom_reward_function.path={root / 'reward.py'}",
-            "actor_rollout_ref.actor.use_kl_loss=false", "trainer.n_gpus_per_node=2", "data.max_response_length=24",
+            "actor_rollout_ref.actor.use_kl_loss=false", "trainer.n_gpus_per_node=2",
             "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
             "actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
             "ray_init.num_cpus=3", f"trainer.collective_timeout_s={COLLECTIVE_TIMEOUT_S}",

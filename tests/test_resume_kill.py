@@ -13,6 +13,7 @@ time (`launches`).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -67,27 +68,28 @@ def _finish(proc: subprocess.Popen, log: Path) -> None:
     assert rc == 0, f"trainer exited {rc}:\n" + log.read_text()[-4000:]
 
 
-def _kill_group(pgid: int, settle_s: float = 30.0) -> None:
-    """SIGKILL what is left of the killed trainer's process group (Ray head, workers, engine), as a machine's crash
-    or a job scheduler would, and wait until none of it runs; the next run starts on a clean machine."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
+def _kill_session(sid: int, settle_s: float = 30.0) -> None:
+    """SIGKILL what is left of the killed trainer's session (Ray's head processes, its workers in process groups of
+    their own, the engine), as a machine's crash or a job scheduler would, and wait until none of it runs: the next
+    run starts on a clean machine."""
     deadline = time.monotonic() + settle_s
-    while time.monotonic() < deadline and _runs(pgid):
+    while (left := _session(sid)) and time.monotonic() < deadline:
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
         time.sleep(0.2)
 
 
-def _runs(pgid: int) -> bool:
-    """Whether a process of group `pgid` still runs (zombies left to their reaper do not count)."""
+def _session(sid: int) -> list[psutil.Process]:
+    """The running processes of session `sid` (zombies left to their reaper do not count)."""
+    out = []
     for p in psutil.process_iter(["status"]):
         try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == pgid:
-                return True
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(p.pid) == sid:
+                out.append(p)
         except (ProcessLookupError, psutil.Error):
             continue
-    return False
+    return out
 
 
 def _step_metrics(out: Path) -> list[dict]:
@@ -118,7 +120,7 @@ def _kill_during_step_2(root: Path, out: Path, log: Path) -> dict:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        _kill_group(proc.pid)
+        _kill_session(proc.pid)
     return {"rc": killed_rc, "marker": checkpoint.latest_step(out), "steps": [m["step"] for m in _step_metrics(out)],
             "dirs": sorted(p.name for p in out.glob("global_step_*"))}
 

@@ -8,19 +8,25 @@ reproducible rollouts (`actor_rollout_ref.rollout.deterministic`), and the verl-
 tests/test_trainer_e2e.py (scores vary between samples, so the steps really train). k = 1; the kill comes once
 checkpoint 1 is marked complete and step 2's rollout has started (the agent loop's log line), not after a
 guessed sleep. The uninterrupted run also shows a checkpoint written after every step and `auto` picking the newest.
+The same for one_step_off, resumed from the uninterrupted run's checkpoint 1. The module's five launches run two at a
+time (`launches`).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -33,6 +39,7 @@ STEPS = 2  # k + 1
 ROLLOUT_STARTS = "rollout started: "  # the agent loop's log line: a rollout began
 MINI_BATCHES = 2  # data.train_batch_size 4 / ppo_mini_batch_size 2: optimizer steps per trainer step
 WALL_CLOCK = ("timing/", "perf/", "weight_sync/seconds", "weight_sync/send_seconds", "weight_sync/peak_extra_mb")
+pytestmark = pytest.mark.timeout(1800)  # the first test's setup holds the module's five launches (`launches`)
 
 
 def _command(root: Path, out: Path, extra: tuple[str, ...] = ()) -> list[str]:
@@ -61,19 +68,28 @@ def _finish(proc: subprocess.Popen, log: Path) -> None:
     assert rc == 0, f"trainer exited {rc}:\n" + log.read_text()[-4000:]
 
 
-def _reap_group(pgid: int, grace_s: float = 60.0) -> None:
-    """Wait for the killed trainer's process group (Ray head, workers, engine) to exit; SIGKILL what remains."""
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
+def _kill_session(sid: int, settle_s: float = 30.0) -> None:
+    """SIGKILL what is left of the killed trainer's session (Ray's head processes, its workers in process groups of
+    their own, the engine), as a machine's crash or a job scheduler would, and wait until none of it runs: the next
+    run starts on a clean machine."""
+    deadline = time.monotonic() + settle_s
+    while (left := _session(sid)) and time.monotonic() < deadline:
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        time.sleep(0.2)
+
+
+def _session(sid: int) -> list[psutil.Process]:
+    """The running processes of session `sid` (zombies left to their reaper do not count)."""
+    out = []
+    for p in psutil.process_iter(["status"]):
         try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.5)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+            if p.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(p.pid) == sid:
+                out.append(p)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return out
 
 
 def _step_metrics(out: Path) -> list[dict]:
@@ -88,11 +104,9 @@ def _prepare(root: Path) -> None:
     (root / "reward.py").write_text(CUSTOM_REWARD)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("resume_kill")
-    _prepare(root)
-    out, log = root / "out", root / "killed.log"
+def _kill_during_step_2(root: Path, out: Path, log: Path) -> dict:
+    """Start the sync run and SIGKILL it once checkpoint 1 is marked complete and step 2's rollout has started; what
+    it left behind: its exit code, the marker, the steps logged and the checkpoint directories."""
     proc = _start(root, out, log)
     try:
         deadline = time.monotonic() + 900
@@ -106,16 +120,66 @@ def runs(tmp_path_factory):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        _reap_group(proc.pid)
-    after_kill = {"rc": killed_rc, "marker": checkpoint.latest_step(out),
-                  "steps": [m["step"] for m in _step_metrics(out)],
-                  "dirs": sorted(p.name for p in out.glob("global_step_*"))}
-    resumed_log = root / "resumed.log"
-    _finish(_start(root, out, resumed_log), resumed_log)
-    reference, reference_log = root / "uninterrupted", root / "uninterrupted.log"
-    _finish(_start(root, reference, reference_log), reference_log)
-    return {"out": out, "after_kill": after_kill, "resumed_log": resumed_log.read_text(errors="replace"),
-            "reference": reference}
+        _kill_session(proc.pid)
+    return {"rc": killed_rc, "marker": checkpoint.latest_step(out), "steps": [m["step"] for m in _step_metrics(out)],
+            "dirs": sorted(p.name for p in out.glob("global_step_*"))}
+
+
+ONE_STEP_OFF = ("async_training.schedule=one_step_off",)
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """The module's five trainer launches, two at a time (each its own Ray cluster and engine; the runs are
+    deterministic, so running beside another changes only their wall-clock figures), in two lanes:
+    1. the sync run killed during step 2, then its auto-resume; then a one_step_off run resumed from the uninterrupted
+       one_step_off run's checkpoint 1 (which holds step 2's rollout, done ahead while step 1 trained), copied to a
+       directory of its own as a run killed after checkpoint 1 would leave it;
+    2. the uninterrupted one_step_off run, then the uninterrupted sync run."""
+    root = tmp_path_factory.mktemp("resume_kill")
+    _prepare(root)
+    osoff_reference, osoff_resumed = root / "one_step_off_uninterrupted", root / "one_step_off_resumed"
+    osoff_reference_done = threading.Event()
+
+    def killed_lane() -> dict:
+        out = root / "out"
+        after_kill = _kill_during_step_2(root, out, root / "killed.log")
+        _finish(_start(root, out, root / "resumed.log"), root / "resumed.log")
+        assert osoff_reference_done.wait(timeout=900), "the uninterrupted one_step_off run never finished"
+        assert checkpoint.latest_step(osoff_reference) == 2, "the uninterrupted one_step_off run failed (lane 2)"
+        shutil.copytree(osoff_reference / "global_step_1", osoff_resumed / "global_step_1")
+        (osoff_resumed / checkpoint.MARKER).write_text("1\n")
+        log = root / "one_step_off_resumed.log"
+        _finish(_start(root, osoff_resumed, log, ONE_STEP_OFF), log)
+        return {"out": out, "after_kill": after_kill}
+
+    def reference_lane() -> None:
+        try:
+            log = root / "one_step_off_uninterrupted.log"
+            _finish(_start(root, osoff_reference, log, ONE_STEP_OFF), log)
+        finally:
+            osoff_reference_done.set()
+        _finish(_start(root, root / "uninterrupted", root / "uninterrupted.log"), root / "uninterrupted.log")
+
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="launch-lane") as pool:
+        killed, reference = pool.submit(killed_lane), pool.submit(reference_lane)
+        reference.result()
+        return {**killed.result(), "root": root}
+
+
+@pytest.fixture(scope="module")
+def runs(launches):
+    root = launches["root"]
+    return {"out": launches["out"], "after_kill": launches["after_kill"],
+            "resumed_log": (root / "resumed.log").read_text(errors="replace"), "reference": root / "uninterrupted"}
+
+
+@pytest.fixture(scope="module")
+def one_step_off_runs(launches):
+    """An uninterrupted one_step_off run of 2 steps, and a run resumed from its checkpoint 1 by `resume_mode=auto`."""
+    root = launches["root"]
+    return {"reference": root / "one_step_off_uninterrupted", "resumed": root / "one_step_off_resumed",
+            "resumed_log": (root / "one_step_off_resumed.log").read_text(errors="replace")}
 
 
 @pytest.mark.e2e
@@ -209,24 +273,6 @@ def test_uninterrupted_run_checkpoints_every_step_and_auto_picks_the_newest(runs
     assert (state.step, state.weight_version, state.batches_consumed) == (1, 1, 1)
     assert state.wandb_run_id is not None and state.wandb_run_id == checkpoint.TrainerState.read(
         ref / "global_step_2").wandb_run_id
-
-
-ONE_STEP_OFF = ("async_training.schedule=one_step_off",)
-
-
-@pytest.fixture(scope="module")
-def one_step_off_runs(tmp_path_factory):
-    """An uninterrupted one_step_off run of 2 steps, and a run resumed from its checkpoint 1 (which holds step 2's
-    rollout, done ahead while step 1 trained), copied to a directory of its own, by `resume_mode=auto`."""
-    root = tmp_path_factory.mktemp("resume_one_step_off")
-    _prepare(root)
-    reference, resumed = root / "uninterrupted", root / "resumed"
-    _finish(_start(root, reference, root / "uninterrupted.log", ONE_STEP_OFF), root / "uninterrupted.log")
-    shutil.copytree(reference / "global_step_1", resumed / "global_step_1")  # as a run killed after checkpoint 1
-    (resumed / checkpoint.MARKER).write_text("1\n")
-    log = root / "resumed.log"
-    _finish(_start(root, resumed, log, ONE_STEP_OFF), log)
-    return {"reference": reference, "resumed": resumed, "resumed_log": log.read_text(errors="replace")}
 
 
 @pytest.mark.e2e

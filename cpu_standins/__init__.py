@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 STANDIN_DIR = Path(__file__).resolve().parent / "site"
-LOG_ENV = "POLYTURN_STANDIN_LOG"
 GPU_IMPORTS = ("torch", "sgl_kernel", "flash_mla", "sglang.srt.entrypoints.engine", "megatron.core.models.gpt", "ray")
 """What the GPU path imports that a CPU machine replaces or never loads (`install_problems`)."""
 
@@ -140,9 +139,3 @@ def activate() -> bool:
     if path not in parts:
         os.environ["PYTHONPATH"] = os.pathsep.join([path, *parts])
     return True
-
-
-def recorded_events(log_path: str | os.PathLike) -> list[str]:
-    """Events recorded in `log_path`: 'import <module> <pid>' and 'call <module.function> <pid>' lines."""
-    p = Path(log_path)
-    return p.read_text().splitlines() if p.exists() else []

@@ -218,14 +218,8 @@ def _flag_value(argv: list[str], i: int) -> tuple[str, str, int]:
     return arg, argv[i + 1], i + 2
 
 
-def prepare(argv: list[str], entry: Entry | None = None) -> Launch:
-    """Read a command line of `entry` (default `PPO`): every refusal raised at once as one ConfigError (one line),
-    else the Launch."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    entry = entry or PPO
-    launch, refused = Launch(config_name=entry.default_preset), []
+def _read_flags(argv: list[str], entry: Entry, launch: Launch, refused: list[str]) -> list[str]:
+    """The command line's flags into `launch` (a refused one appended to `refused`); the key=value overrides left."""
     raw: list[str] = []
     i = 0
     while i < len(argv):
@@ -251,6 +245,18 @@ def prepare(argv: list[str], entry: Entry | None = None) -> Launch:
         else:
             raw.append(arg)
             i += 1
+    return raw
+
+
+def prepare(argv: list[str], entry: Entry | None = None) -> Launch:
+    """Read a command line of `entry` (default `PPO`): every refusal raised at once as one ConfigError (one line),
+    else the Launch."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    entry = entry or PPO
+    launch, refused = Launch(config_name=entry.default_preset), []
+    raw = _read_flags(argv, entry, launch, refused)
 
     known = set(flat_keys(entry.schema))
     sections = {k.rsplit(".", 1)[0] for k in known if "." in k} | {k.split(".", 1)[0] for k in known}

@@ -153,7 +153,7 @@ def plan_placement(cfg: PPOConfig) -> PlacementPlan:
                               "GPUs of their own; use update_weights_mode=distributed (or disk, or null)")
     engine_pool = TRAINER if hybrid else ROLLOUT
     pool = pools[engine_pool]
-    nodes_key, gpus_key = _POOL_KEYS[engine_pool]
+    gpus_key = _POOL_KEYS[engine_pool][1]
     if pool.gpus_per_node % tp:
         raise ConfigError(
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide {gpus_key}="

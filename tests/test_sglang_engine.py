@@ -12,6 +12,7 @@ import time
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,7 +138,7 @@ def test_standins_used_by_engine_processes_and_never_called(sglang_engine):
     engine's own subprocesses and none of their functions ran."""
     res = asyncio.run(sglang_engine.generate([1, 2, 3], {"max_new_tokens": 3, "temperature": 0.0}, "standin-check"))
     assert len(res.output_logprobs) == 3
-    events = cpu_standins.recorded_events(STANDIN_LOG)
+    events = recorded_events(STANDIN_LOG)
     import_pids = {line.split()[-1] for line in events if line.startswith("import sgl_kernel")}
     assert import_pids - {str(os.getpid())}, f"no engine subprocess imported the stand-in: {events}"
     assert [line for line in events if line.startswith("call")] == []
@@ -160,7 +161,7 @@ def test_standin_fails_loudly_and_records(tmp_path):
     assert "raised sgl_kernel.copy_all_layer_kv_cache_cpu was called" in out.stdout
     assert "scalar_type real" in out.stdout
     assert "flash_mla ImportError" in out.stdout and "missing name ImportError" in out.stdout
-    events = cpu_standins.recorded_events(log)
+    events = recorded_events(log)
     assert any(e.startswith("call sgl_kernel.copy_all_layer_kv_cache_cpu") for e in events)
 
 
@@ -178,3 +179,10 @@ def test_cpu_adapter_selects_cpu_engine_and_bounds_kv_cache():
     assert os.environ["SGLANG_USE_CPU_ENGINE"] == "1"
     assert str(cpu_standins.STANDIN_DIR) in os.environ["PYTHONPATH"].split(os.pathsep)
     assert sglang_cpu.engine_kwargs_for_this_machine({"max_total_tokens": 512})["max_total_tokens"] == 512
+
+
+def recorded_events(log_path: str | os.PathLike) -> list[str]:
+    """Stand-in events recorded in `log_path` (POLYTURN_STANDIN_LOG): 'import <module> <pid>' and
+    'call <module.function> <pid>' lines."""
+    p = Path(log_path)
+    return p.read_text().splitlines() if p.exists() else []

@@ -39,6 +39,15 @@ _.load_checkpoint      # megatron_workers/runner.py (recipe/trainer.py resume)
 _.compute_values       # megatron_workers/critic.py
 _.update_critic        # megatron_workers/critic.py
 _.update_sft_peak      # benchmarks/train_step.py
+_.weight_sync_endpoint  # megatron_workers/actor.py (MegatronWorkerGroup.weight_sync_endpoints)
+
+# The advantage estimators, loaded by dotted path from their registry (recipe/algos/registry.py).
+gae
+grpo
+rloo
+reinforce_plus_plus
+reinforce_plus_plus_baseline
+remax
 
 # Plug-in loading by dotted path from YAML (rollout/plugins.py, tool_configs/) and verl's plug-in surface
 # (rollout/plugins.py aliases verl.tools.schemas.* to rollout.tools.schemas.*).

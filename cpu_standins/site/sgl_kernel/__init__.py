@@ -1,7 +1,7 @@
 """CPU stand-in for `sgl_kernel` (its PyPI wheels are CUDA-only and fail to import without libcuda).
 
 Exposes exactly the names SGLang imports on its CPU path; each is a function that raises when called
-(and records the call, see cpu_standins.LOG_ENV), because running any of them for real would need
+(and records the call, see POLYTURN_STANDIN_LOG in cpu_standins), because running any of them for real would need
 the CPU kernels this package does not have. `sgl_kernel.scalar_type` is pure Python and is loaded
 from the real package. Any other name is missing, so `from sgl_kernel import x` raises ImportError
 and SGLang's own fallbacks apply.
@@ -16,7 +16,6 @@ try:
 except metadata.PackageNotFoundError:  # pragma: no cover - only without the real distribution
     __version__ = "0.0.0+polyturn-cpu-standin"
 
-POLYTURN_CPU_STANDIN = True
 
 _NAMES = (
     "copy_all_layer_kv_cache_cpu",

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -107,29 +108,24 @@ def register_schema(name: str, cls: type) -> None:
     ConfigStore.instance().store(name=name, node=defaults(cls))
 
 
-def dict_keys(cls: type, prefix: str = "") -> list[str]:
+def _leaves(cls: type, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, type hint) of every leaf field, sections walked into."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        section = section_type(hints[f.name])
+        if section is not None:
+            yield from _leaves(section, f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name, hints[f.name]
+
+
+def dict_keys(cls: type) -> list[str]:
     """The dotted keys of free-form mapping fields (`reward_kwargs`, `override_transformer_config`): any key under
     them is accepted as it is."""
-    hints = typing.get_type_hints(cls)
-    keys = []
-    for f in dataclasses.fields(cls):
-        section = section_type(hints[f.name])
-        if section is not None:
-            keys.extend(dict_keys(section, f"{prefix}{f.name}."))
-        elif hints[f.name] is dict or typing.get_origin(hints[f.name]) is dict:
-            keys.append(prefix + f.name)
-    return keys
+    return [key for key, hint in _leaves(cls) if hint is dict or typing.get_origin(hint) is dict]
 
 
-def flat_keys(cls: type, prefix: str = "") -> list[str]:
+def flat_keys(cls: type) -> list[str]:
     """Every dotted leaf key the config accepts (the public config surface)."""
-    hints = typing.get_type_hints(cls)
-    keys = []
-    for f in dataclasses.fields(cls):
-        section = section_type(hints[f.name])
-        if section is not None:
-            keys.extend(flat_keys(section, f"{prefix}{f.name}."))
-        else:
-            keys.append(prefix + f.name)
-    return sorted(keys)
+    return sorted(key for key, _ in _leaves(cls))
 

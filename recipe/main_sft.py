@@ -160,10 +160,16 @@ def run(cfg: SFTConfig, config_dict: dict | None = None) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     """The entry point, recipe.main_ppo's `hydra_entry` with verl's SFT keys: a launch mistake is one line and exit 2,
     before Ray; the run prints its final JSON line."""
-    from recipe.main_ppo import hydra_entry
+    from recipe import preflight
+    from recipe.main_ppo import USER_ERRORS, hydra_entry, report
 
     def body(config_dict: dict) -> None:
-        print(json.dumps(run(SFTConfig.from_dict(config_dict), config_dict)), flush=True)
+        try:
+            config = SFTConfig.from_dict(config_dict)
+            preflight.check_wandb_login(config.trainer.logger)  # not at wandb.init, after the ranks started
+        except USER_ERRORS as err:
+            report(err)
+        print(json.dumps(run(config, config_dict)), flush=True)
 
     hydra_entry(argv, SFT, body)
 

@@ -196,6 +196,13 @@ def test_main_sft_trains_megatron_and_exports_an_hf_dir(tiny_model_dir, codec, t
     bad = subprocess.run(cmd + ["data.truncation=left"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "data.truncation='left'" in bad.stderr
     assert "Started a local Ray instance" not in bad.stderr + bad.stdout
+    home = tmp_path / "home"  # wandb online with no login anywhere: refused before Ray too, in one line
+    home.mkdir()
+    no_login = {k: v for k, v in env.items() if not k.startswith("WANDB_")} | {"HOME": str(home)}
+    bad = subprocess.run(cmd + ["trainer.logger=[console,wandb]"], cwd=REPO, env=no_login, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "includes wandb but no wandb login" in bad.stderr, bad.stderr[-2000:]
+    assert "Traceback" not in bad.stderr and "Started a local Ray instance" not in bad.stderr + bad.stdout
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

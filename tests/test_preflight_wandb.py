@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from recipe.data import gsm8k
+from recipe.tasks import gsm8k, write_rows
 
 REPO = Path(__file__).resolve().parents[1]
 CHECK = "from recipe.tracking import wandb_login_problem; print(wandb_login_problem(['console', 'wandb']))"
@@ -73,7 +73,7 @@ def test_the_entry_point_refuses_it_before_ray(tiny_model_dir, tmp_path):
     `polyturn: error:` line and no traceback, starting nothing; with WANDB_MODE=offline the same launch passes the
     check and stops at the next one (a batch larger than the data), still before Ray."""
     rows = [gsm8k.make_row({"question": f"{i} + 1?", "answer": f"#### {i + 1}"}, "train", i) for i in range(4)]
-    gsm8k.write_rows(rows, tmp_path / "train.parquet")
+    write_rows(rows, tmp_path / "train.parquet")
     home = tmp_path / "home"
     home.mkdir()
     argv = [sys.executable, "-m", "recipe.main_ppo", "--config-name", "cpu_tiny",

@@ -130,8 +130,8 @@ ONE_STEP_OFF = ("async_training.schedule=one_step_off",)
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
-    """The module's five trainer launches, two at a time (each its own Ray cluster and engine; the runs are
-    deterministic, so running beside another changes only their wall-clock figures), in two lanes:
+    """The module's five trainer launches (each its own Ray cluster and engine; the runs are deterministic), in two
+    lanes run one after the other, the second first:
     1. the sync run killed during step 2, then its auto-resume; then a one_step_off run resumed from the uninterrupted
        one_step_off run's checkpoint 1 (which holds step 2's rollout, done ahead while step 1 trained), copied to a
        directory of its own as a run killed after checkpoint 1 would leave it;
@@ -161,8 +161,10 @@ def launches(tmp_path_factory):
             osoff_reference_done.set()
         _finish(_start(root, root / "uninterrupted", root / "uninterrupted.log"), root / "uninterrupted.log")
 
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="launch-lane") as pool:
-        killed, reference = pool.submit(killed_lane), pool.submit(reference_lane)
+    # One lane after the other: two launches side by side on this 2-core machine once starved a third process's
+    # `ray.init` ("Failed to get node info: Deadline Exceeded"); the reference lane first, as the killed lane waits for it.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="launch-lane") as pool:
+        reference, killed = pool.submit(reference_lane), pool.submit(killed_lane)
         reference.result()
         return {**killed.result(), "root": root}
 

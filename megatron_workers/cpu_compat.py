@@ -4,7 +4,7 @@ Megatron-Core is written for CUDA; on a machine without a GPU a handful of its a
 break. `apply_cpu_compat()` patches exactly those, and nothing else in polyturn knows it may be
 running on a CPU. Every process that runs Megatron code calls it once, at its start (the Megatron
 rank actor, `check_parity`'s main and its spawned ranks, the driver, benchmarks, the test
-session), before importing megatron. Measured against megatron-core 0.16.1 and torch 2.14.1
+session), before importing megatron. Measured against megatron-core 0.19.2 and torch 2.14.1
 (a CUDA build):
 
 - The import stand-ins (`flash_mla` raising ImportError instead of OSError, `sgl_kernel`) are
@@ -17,7 +17,10 @@ session), before importing megatron. Measured against megatron-core 0.16.1 and t
   embedding copy on the last pipeline stage, the optimizer's state loading); without a GPU it
   returns the tensor as it is (on a machine without a GPU it could only have raised).
 - `torch.cuda.synchronize()` guards batched P2P ops in the pipeline schedule; on CPU there is
-  nothing to wait for, so it becomes a no-op. `torch.cuda.get_rng_state()` answers an empty
+  nothing to wait for, so it becomes a no-op. `torch.cuda.current_stream()` (asked by the DDP
+  grad buffer before every grad reduction since 0.19, to wait on CUDA-graph events that a CPU
+  run never records) answers the CPU's stream, `torch.cpu.current_stream()`, whose waits do
+  nothing. `torch.cuda.get_rng_state()` answers an empty
   state and `set_rng_state` ignores it (there is no CUDA generator to save or restore).
 - Activation recompute (`recompute_granularity=full`): Megatron's `CheckpointFunction` saves and
   restores the CPU and CUDA RNG states around the recomputed forward through its own
@@ -66,7 +69,7 @@ _DISTRIB_OPTIMIZER_MODULE = "megatron.core.optimizer.distrib_optimizer"
 _RNG_MODULE = "megatron.core.tensor_parallel.random"
 _ATTENTION_MODULE = "megatron_workers.attention"
 # Modules adapted as they are imported: those that create tensors with device="cuda" on the CPU-reachable path
-# (megatron-core 0.16.1), and the distributed optimizer (its type checks).
+# (megatron-core 0.19.2), and the distributed optimizer (its type checks).
 _CUDA_FACTORY_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     _OPTIMIZER_MODULE,
@@ -81,6 +84,10 @@ _ADAPTED_MODULES = (*_CUDA_FACTORY_MODULES, _RNG_MODULE, _ATTENTION_MODULE)
 
 def _cpu_device(*_args: Any, **_kwargs: Any) -> torch.device:
     return torch.device("cpu")
+
+
+def _cpu_stream(*_args: Any, **_kwargs: Any) -> Any:
+    return torch.cpu.current_stream()
 
 
 def _no_sync(*_args: Any, **_kwargs: Any) -> None:
@@ -221,6 +228,7 @@ def apply_cpu_compat() -> str:
     setattr(current_device, _MARK, True)
     torch.cuda.current_device = current_device  # type: ignore[assignment]
     torch.cuda.synchronize = _no_sync  # type: ignore[assignment]
+    torch.cuda.current_stream = _cpu_stream  # type: ignore[assignment]
     torch.cuda.get_rng_state = _no_rng_state  # type: ignore[assignment]
     torch.cuda.set_rng_state = _ignore_rng_state  # type: ignore[assignment]
     torch.Tensor.cuda = _tensor_stays  # type: ignore[method-assign]

@@ -11,7 +11,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-MCORE_VERSION=0.16.1
+# The project's own pin (pyproject.toml), so the check runs the Megatron-Core that the suite tests.
+MCORE_VERSION=$(sed -n 's/^ *"megatron-core==\([0-9][0-9.]*\)",*$/\1/p' pyproject.toml)
+[ -n "$MCORE_VERSION" ] || { echo "gpu_check: pyproject.toml pins no megatron-core==X.Y.Z" >&2; exit 2; }
 if [ "${1:-}" = "--prepare" ]; then
   pip=(python3 -m pip)
   [ -x .venv/bin/pip ] && pip=(.venv/bin/pip)

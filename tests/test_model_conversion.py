@@ -171,7 +171,7 @@ def test_roundtrip_and_logits_single_rank(world_of_one, tmp_path, family, tied):
     assert (logits - ref_logits[valid]).abs().max().item() < 1e-4
 
 
-# GPTModel.named_parameters() of a 2-layer Qwen3 (q/k norms, untied head) built from Megatron-Core 0.16's
+# GPTModel.named_parameters() of a 2-layer Qwen3 (q/k norms, untied head) built from Megatron-Core 0.19's
 # TransformerEngine spec, recorded from the spec's definition (TransformerEngine is not installed here):
 # input_layernorm and pre_mlp_layernorm are IdentityOp, their weights live in TELayerNormColumnParallelLinear
 # (`layer_norm_weight`; RMSNorm has no layer_norm_bias), q/k norms and the final norm are TENorm (`weight`).

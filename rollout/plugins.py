@@ -6,7 +6,7 @@ verl's `custom_reward_function.{path,name}`); tools and interactions come from Y
     tools:                                   # tool config (multi_turn.tool_config_path)
       - class_name: pkg.module.MyTool        # dotted path; any class with verl's tool methods
         config: {type: native, timeout_s: 10}
-        tool_schema: {type: function, function: {name, description, parameters}}
+        tool_schema: {type: function, function: {name, description, parameters}}  # or the class's own
       - class_name: rollout.tools.mcp_tool.MCPTool
         config: {type: mcp}
         mcp: {mcp_servers_config_path: servers.json, tool_selected_list: [search]}
@@ -35,6 +35,11 @@ for the loading (`Registry.from_config(..., aliases=)`: the recipe's tasks map v
 theirs); any other `verl.*` path imports from verl when it is installed, and otherwise fails naming
 the table.
 
+A user's plug-in module is imported as verl would import it (`_prepare_user_imports`, before every load): without
+verl installed, its `from verl.tools.base_tool import BaseTool, ToolResponse` (and the other modules of the aliases
+in effect) gets polyturn's counterparts (`VerlStandIns`); and verl-recipe's paths (`recipe.<name>....`, its
+checkout on sys.path) import from the user's path although polyturn's own top-level package is also `recipe`.
+
 Tool methods get their `tools_kwargs` in the shape their signature asks for, read once at load
 (`kwargs_shape`): a method with `**kwargs` gets both the keys flat and the same dict under
 `create_kwargs=` / `execute_kwargs=` / `calc_reward_kwargs=` / `release_kwargs=` (verl's tools
@@ -48,9 +53,12 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.abc
 import importlib.util
 import inspect
 import logging
+import pkgutil
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from contextvars import ContextVar
@@ -69,6 +77,9 @@ class PluginConfigError(ValueError):
 # verl's dotted paths -> polyturn's counterparts (used whether or not verl is installed).
 VERL_ALIASES: dict[str, str] = {
     "verl.tools.base_tool.BaseTool": "rollout.tools.base.BaseTool",
+    # verl's base_tool imports these two from its schemas; tools import them from either module
+    "verl.tools.base_tool.OpenAIFunctionToolSchema": "rollout.tools.schemas.OpenAIFunctionToolSchema",
+    "verl.tools.base_tool.ToolResponse": "rollout.tools.schemas.ToolResponse",
     "verl.tools.gsm8k_tool.Gsm8kTool": "rollout.tools.gsm8k_tool.Gsm8kTool",
     # verl's remote code sandbox -> the local sandbox, verl's config keys translated
     "verl.tools.sandbox_fusion_tools.SandboxFusionTool": "rollout.tools.sandbox_fusion.SandboxFusionTool",
@@ -102,18 +113,71 @@ def added_aliases(aliases: Mapping[str, str] | None) -> Iterator[None]:
         _ADDED_ALIASES.reset(token)
 
 
+def _aliases() -> dict[str, str]:
+    """The aliases in effect: VERL_ALIASES and those added for the current load."""
+    return {**VERL_ALIASES, **_ADDED_ALIASES.get()}
+
+
+class VerlStandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """verl's plug-in modules when verl is not installed: each `verl.<module>` of the aliases in effect
+    (`verl.tools.base_tool`, `verl.tools.schemas`, `verl.interactions.base`, `verl.utils.rollout_trace`, ...) is a
+    module holding polyturn's counterparts under verl's names; their parent packages are empty.
+
+    Last on `sys.meta_path`, so a real verl on the path is found first; once a `verl` that is not this stand-in is
+    imported, it serves nothing (a real verl's missing modules stay missing)."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != "verl" and getattr(sys.modules.get("verl"), "__loader__", None) is not self:
+            return None
+        modules = _verl_modules()
+        packages = {m.rsplit(".", depth)[0] for m in modules for depth in range(1, m.count(".") + 1)}
+        if fullname not in modules and fullname not in packages:
+            return None
+        return importlib.util.spec_from_loader(fullname, self, is_package=fullname in packages)
+
+    def exec_module(self, module: Any) -> None:
+        for attr, ours in _verl_modules().get(module.__name__, {}).items():
+            setattr(module, attr, import_object(ours, f"polyturn's stand-in for {module.__name__}"))
+
+
+def _verl_modules() -> dict[str, dict[str, str]]:
+    """verl module -> {name in it: polyturn's dotted path}, from the aliases in effect."""
+    modules: dict[str, dict[str, str]] = {}
+    for verl_path, ours in _aliases().items():
+        module, _, attr = verl_path.rpartition(".")
+        if module.startswith("verl."):
+            modules.setdefault(module, {})[attr] = ours
+    return modules
+
+
+_VERL_STAND_INS = VerlStandIns()
+
+
+def _prepare_user_imports() -> None:
+    """Make a user's plug-in importable as verl would import it: verl's plug-in modules as `VerlStandIns` (last
+    on sys.meta_path; idempotent), and `recipe.<name>` paths polyturn's `recipe` lacks (verl-recipe's) found in the
+    `recipe` directories on sys.path now, after polyturn's own, which keeps precedence (`pkgutil.extend_path`)."""
+    if _VERL_STAND_INS not in sys.meta_path:
+        sys.meta_path.append(_VERL_STAND_INS)
+    recipe = importlib.import_module("recipe")
+    recipe.__path__ = pkgutil.extend_path(recipe.__path__, recipe.__name__)
+
+
 def _verl_installed() -> bool:
-    return importlib.util.find_spec("verl") is not None
+    """Whether a real verl is importable (polyturn's stand-ins are not verl)."""
+    spec = importlib.util.find_spec("verl")
+    return spec is not None and spec.loader is not _VERL_STAND_INS
 
 
 def import_object(dotted: Any, where: str) -> Any:
     """Import `package.module.Name` (verl's paths through `VERL_ALIASES` and the added aliases), or `Name` from a
     Python file given as `path/to/file.py:Name`; errors name `where` (e.g. `tools.yaml: tools[2].class_name`)."""
+    _prepare_user_imports()
     if isinstance(dotted, str) and dotted.rpartition(":")[0].endswith(".py"):
         return _import_from_file(*dotted.rsplit(":", 1), where)
     if not isinstance(dotted, str) or "." not in dotted:
         raise PluginConfigError(f"{where}: expected a dotted path like 'package.module.Name', got {dotted!r}")
-    aliases = {**VERL_ALIASES, **_ADDED_ALIASES.get()}
+    aliases = _aliases()
     if dotted in aliases:
         logger.debug("%s: %s resolves to polyturn's %s", where, dotted, aliases[dotted])
         dotted = aliases[dotted]

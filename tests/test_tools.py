@@ -274,7 +274,10 @@ def test_function_call_decoding_reports_bad_json():
             r"tools\[1\]\.class_name: user_tools\.NotATool lacks \[.create., .execute., .calc_reward., .release.\]",
         ),
         ({"class_name": "CounterTool", "tool_schema": schema("a")}, r"tools\[1\]\.class_name: expected a dotted path"),
-        ({"class_name": "user_tools.CounterTool"}, r"tools\[1\]\.tool_schema: expected a mapping"),
+        (
+            {"class_name": "user_tools.CounterTool"},
+            r"tools\[1\]: no tool_schema, and building user_tools\.CounterTool without one failed",
+        ),
         (
             {
                 "class_name": "user_tools.CounterTool",

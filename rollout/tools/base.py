@@ -27,20 +27,27 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from rollout.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
+from rollout.tools.schemas import OpenAIFunctionToolSchema, ToolResponse, ToolSchemaError
 
 
 class BaseTool:
     """Base class of polyturn tools; subclass and override `execute` (and the others as needed).
 
-    `config` is the YAML entry's `config` mapping; `tool_schema` its `tool_schema`. The tool's
-    `name` is the schema's function name: the name the model calls it by.
+    `config` is the YAML entry's `config` mapping; `tool_schema` its `tool_schema`, or None when the
+    entry has none: then the class provides it, as in verl (a `tool_schema` class attribute, or
+    `get_openai_tool_schema()` overridden). The tool's `name` is the schema's function name: the
+    name the model calls it by.
     """
 
-    def __init__(self, config: dict[str, Any], tool_schema: OpenAIFunctionToolSchema):
+    tool_schema: OpenAIFunctionToolSchema | None = None  # a subclass may set its schema here
+
+    def __init__(self, config: dict[str, Any], tool_schema: OpenAIFunctionToolSchema | None):
         self.config = dict(config or {})
-        self.tool_schema = tool_schema
-        self.name = tool_schema.function.name
+        self.tool_schema = tool_schema or self.get_openai_tool_schema()
+        if self.tool_schema is None:
+            raise ToolSchemaError(f"{type(self).__name__} has no tool schema: pass one, or set the class's "
+                                  "`tool_schema` or override `get_openai_tool_schema()`")
+        self.name = self.tool_schema.function.name
 
     def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
         """The schema shown to the model (verl's accessor)."""

@@ -9,8 +9,9 @@
         mcp: {mcp_servers_config_path: mcp_servers.json, tool_selected_list: [search]}
 
 Every mistake is refused at load, naming the entry (`tools[2]`) and the fix: a class that
-cannot be imported or lacks verl's tool methods, a missing or invalid schema, two tools with
-the same name, bad runner limits.
+cannot be imported or lacks verl's tool methods, an invalid schema or none (an entry may leave
+`tool_schema` out when its class provides one, as verl allows), two tools with the same name,
+bad runner limits.
 
 Per-sample selection follows verl: a sample's `tools_kwargs` keys name the tools it may use
 (`select`); a sample without `tools_kwargs` gets every registered tool.
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.plugins import PluginConfigError, Registry, build, check_keys, check_runner, import_class, read_entries
-from rollout.tools.runner import ToolRunner
+from rollout.tools.runner import ToolRunner, provided_schema
 from rollout.tools.schemas import OpenAIFunctionToolSchema, ToolSchemaError
 
 ToolConfigError = PluginConfigError  # the tools' name for it
@@ -55,9 +56,11 @@ class ToolRegistry(Registry[ToolRunner]):
                                       "section; use type native (with tool_schema) or mcp (with mcp:)")
             if "mcp" in entry:
                 built = tools_from_mcp_servers(cls, config, entry["mcp"], base_dir, where)
+            elif entry.get("tool_schema") is None:
+                built = [_tool_with_own_schema(cls, config, where)]
             else:
                 try:
-                    schema = OpenAIFunctionToolSchema.from_dict(entry.get("tool_schema"), where=f"{where}.tool_schema")
+                    schema = OpenAIFunctionToolSchema.from_dict(entry["tool_schema"], where=f"{where}.tool_schema")
                 except ToolSchemaError as exc:
                     raise ToolConfigError(str(exc)) from None
                 built = [build(cls, where, config=config, tool_schema=schema)]
@@ -82,3 +85,20 @@ class ToolRegistry(Registry[ToolRunner]):
     def schemas(self, names: list[str] | None = None) -> list[dict[str, Any]]:
         """OpenAI tool schemas (for the chat template) of `names`, default all."""
         return [self.runner(n).schema.to_openai() for n in (names or self.names)]
+
+
+def _tool_with_own_schema(cls: type, config: dict[str, Any], where: str) -> Any:
+    """A tool whose entry has no `tool_schema`, built as verl builds it (`tool_schema=None`) when its class provides
+    the schema (`get_openai_tool_schema()` or a `tool_schema` attribute); refused naming the entry otherwise."""
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    fix = ("add `tool_schema: {type: function, function: {name, description, parameters}}` to the entry, or have "
+           "the class give one (`get_openai_tool_schema()` or a `tool_schema` class attribute)")
+    try:
+        tool = cls(config=config, tool_schema=None)
+        schema = provided_schema(tool)
+    except Exception as exc:
+        raise ToolConfigError(f"{where}: no tool_schema, and building {name} without one failed "
+                              f"({type(exc).__name__}: {exc}); {fix}") from exc
+    if schema is None:
+        raise ToolConfigError(f"{where}: no tool_schema, and {name} provides none; {fix}")
+    return tool

@@ -112,10 +112,15 @@ def to_tool_response(response: Any) -> ToolResponse:
     return ToolResponse(text=str(response))
 
 
-def tool_schema_of(tool: Any) -> OpenAIFunctionToolSchema:
-    """The schema a tool shows the model (`get_openai_tool_schema()` or `tool_schema`), as ours."""
+def provided_schema(tool: Any) -> Any:
+    """The schema a tool provides, as it gives it (`get_openai_tool_schema()` or `tool_schema`; None if neither)."""
     getter = getattr(tool, "get_openai_tool_schema", None)
-    schema = getter() if callable(getter) else getattr(tool, "tool_schema", None)
+    return getter() if callable(getter) else getattr(tool, "tool_schema", None)
+
+
+def tool_schema_of(tool: Any) -> OpenAIFunctionToolSchema:
+    """The schema a tool shows the model (`provided_schema`), as ours."""
+    schema = provided_schema(tool)
     if isinstance(schema, OpenAIFunctionToolSchema):
         return schema
     if hasattr(schema, "model_dump"):  # verl's pydantic schema

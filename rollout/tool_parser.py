@@ -127,7 +127,7 @@ class ToolCallParser:
         too_deep = False
         try:
             obj, value_end = _DECODER.raw_decode(text, value_at)
-        except json.JSONDecodeError:
+        except ValueError:  # JSONDecodeError, or an integer of more digits than Python converts
             obj, value_end = None, -1
         except RecursionError:  # nested past the decoder's recursion: the arguments, as far as a model writes
             obj, value_end, too_deep = None, -1, True
@@ -203,8 +203,12 @@ class ToolCallParser:
         try:
             json.loads(body[:end])
             msg = "text after the JSON value"
-        except (json.JSONDecodeError, RecursionError) as exc:
-            msg = exc.msg if isinstance(exc, json.JSONDecodeError) else "nesting too deep"
+        except json.JSONDecodeError as exc:
+            msg = exc.msg
+        except RecursionError:
+            msg = "nesting too deep"
+        except ValueError as exc:  # an integer of more digits than Python converts
+            msg = str(exc)
         return MalformedCall(
             "bad_json", None, f"Error: tool call is not valid JSON ({msg}). Write a call as {self._example}.", block
         )

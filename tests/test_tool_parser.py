@@ -63,3 +63,15 @@ def test_malformed_calls_are_data_and_do_not_hide_the_next_call():
     assert [c.kind if isinstance(c, MalformedCall) else c.arguments for c in calls] == [
         "bad_json", "unknown_tool", "bad_arguments", {"code": "2"}, "unparsed"]
     assert all(c.message.startswith("Error") for c in calls if isinstance(c, MalformedCall))
+
+
+def test_an_integer_too_long_for_python_is_malformed_not_a_crash():
+    """Contract: `parse` never raises: a 5000-digit integer (past `sys.get_int_max_str_digits`) in a call is bad_json,
+    in arguments written as a JSON string bad_arguments, and the call after them still runs."""
+    big = f'{{"code": {"1" * 5000}}}'
+    text = (f'<tool_call>{{"name": "python", "arguments": {big}}}</tool_call>'
+            f'<tool_call>{{"name": "python", "arguments": {json.dumps(big)}}}</tool_call>'
+            '<tool_call>{"name": "python", "arguments": {"code": "2"}}</tool_call>')
+    calls = parser().parse(text).calls
+    assert [c.kind if isinstance(c, MalformedCall) else c.arguments for c in calls] == [
+        "bad_json", "bad_arguments", {"code": "2"}]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 # A tool as a user would write it in their own package, against the documented signature only.
 USER_TOOL_MODULE = '''
 import asyncio
+import functools
 from rollout.tools import BaseTool, ToolResponse
 
 EVENTS = []
@@ -221,18 +223,18 @@ def test_shipped_tool_configs_load(name):
 
 @pytest.mark.unit
 def test_argument_validation_names_the_bad_argument():
-    """Arguments that do not fit the schema are reported per argument (missing, wrong type, not in enum): checked as
-    verl's tools read them by default, against the full JSON schema as written when the tool opts in (strict)."""
+    """Arguments that do not fit the schema are reported per argument (missing, wrong type, not in enum), with the same
+    messages whether checked as verl's tools read them (default) or as written when the tool opts in (strict)."""
     s = OpenAIFunctionToolSchema.from_dict(
         schema(
             "convert", {"value": {"type": "number"}, "unit": {"type": "string", "enum": ["C", "F"]}}, ["value", "unit"]
         )
     )
     assert s.check_arguments({"value": 3, "unit": "C"}) == ({"value": 3, "unit": "C"}, [])
-    assert s.check_arguments({"unit": "C"})[1] == ["value: required argument is missing"]
+    assert s.check_arguments({"unit": "C"})[1] == ["arguments: 'value' is a required property"]
     assert s.check_arguments({"value": True, "unit": "K"})[1] == [
-        "value: True is not of type 'number'",
         "unit: 'K' is not one of ['C', 'F']",
+        "value: True is not of type 'number'",
     ]
     assert s.check_arguments([1, 2])[1] == ["arguments: must be a JSON object, got list"]
     strict = s.with_strict_arguments(True)
@@ -242,6 +244,120 @@ def test_argument_validation_names_the_bad_argument():
         "unit: 'K' is not one of ['C', 'F']",
         "value: '3' is not of type 'number'",
     ]
+
+
+# What a tool relies on once its arguments are checked: nested objects, arrays, bounds, an enum.
+NESTED_PROPERTIES = {
+    "count": {"type": "integer", "minimum": 0, "maximum": 10},
+    "ratio": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1},
+    "tags": {"type": "array", "items": {"type": "string"}},
+    "mode": {"type": "string", "enum": ["fast", "slow"]},
+    "opts": {"type": "object", "required": ["depth"], "properties": {
+        "depth": {"type": "integer", "minimum": 1}, "sizes": {"type": "array", "items": {"type": "integer"}}}},
+}
+
+
+@functools.cache
+def nested_schema(strict: bool = False) -> OpenAIFunctionToolSchema:
+    return OpenAIFunctionToolSchema.from_dict(schema("t", NESTED_PROPERTIES)).with_strict_arguments(strict)
+
+
+def fits_nested_schema(args: dict) -> bool:
+    """NESTED_PROPERTIES checked by hand, apart from jsonschema: what the tool may assume of its arguments."""
+    def ints(v):
+        return type(v) is list and all(type(n) is int for n in v)
+
+    checks = {
+        "count": lambda v: type(v) is int and 0 <= v <= 10,
+        "ratio": lambda v: type(v) is float and 0 < v < 1,
+        "tags": lambda v: type(v) is list and all(type(t) is str for t in v),
+        "mode": lambda v: type(v) is str and v in ("fast", "slow"),
+        "opts": lambda v: type(v) is dict and type(v.get("depth")) is int and v["depth"] >= 1
+        and ints(v.get("sizes", [])),
+    }
+    return all(check(args[key]) for key, check in checks.items() if key in args)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("strict", [False, True])
+def test_an_integral_number_is_an_integer(strict):
+    """Contract (issue 33): `3.0` fits an integer field, as in JSON schema, and reaches the tool as the int 3, also
+    nested; `3.5` and booleans are never integers; a number field keeps its float."""
+    s = nested_schema(strict)
+    taken, errors = s.check_arguments({"count": 3.0, "ratio": 0.5, "opts": {"depth": 2.0, "sizes": [1.0, -4]}})
+    assert errors == [] and taken == {"count": 3, "ratio": 0.5, "opts": {"depth": 2, "sizes": [1, -4]}}
+    assert fits_nested_schema(taken) and type(taken["count"]) is int
+    assert s.check_arguments({"count": 3.5})[1] == ["count: 3.5 is not of type 'integer'"]
+    assert s.check_arguments({"count": True})[1] == ["count: True is not of type 'integer'"]
+    assert s.check_arguments({"opts": {"depth": 1, "sizes": [False]}})[1] == [
+        "opts.sizes.0: False is not of type 'integer'"]
+
+
+@pytest.mark.unit
+def test_default_mode_checks_the_whole_schema_after_coercion():
+    """Contract (issue 33): by default arguments are coerced as verl's tools read them, at any depth, then checked
+    against the whole schema: array item types, numeric bounds, enums, required keys and types in nested objects."""
+    s = nested_schema()
+    assert s.check_arguments({"count": "3", "tags": [1, "a"], "opts": {"depth": "2"}}) == (
+        {"count": 3, "tags": ["1", "a"], "opts": {"depth": 2}}, [])
+    for arguments, error in [
+        ({"tags": [None]}, "tags.0: None is not of type 'string'"),
+        ({"count": -1}, "count: -1 is less than the minimum of 0"),
+        ({"count": "11"}, "count: 11 is greater than the maximum of 10"),
+        ({"ratio": 1}, "ratio: 1 is greater than or equal to the maximum of 1"),
+        ({"ratio": 0.0}, "ratio: 0.0 is less than or equal to the minimum of 0"),
+        ({"ratio": float("nan")}, "ratio: nan is not of type 'number'"),  # Python's json reads NaN; JSON has none
+        ({"mode": "medium"}, "mode: 'medium' is not one of ['fast', 'slow']"),
+        ({"opts": {}}, "opts: 'depth' is a required property"),
+        ({"opts": {"depth": 0}}, "opts.depth: 0 is less than the minimum of 1"),
+        ({"opts": {"depth": 1, "sizes": ["x"]}}, "opts.sizes.0: 'x' is not of type 'integer'"),
+        ({"opts": [1]}, "opts: [1] is not of type 'object'"),
+    ]:
+        assert s.check_arguments(arguments)[1] == [error], arguments
+
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 12), st.floats(),
+                     st.sampled_from(["3", " 7 ", "-1", "3.0", "fast", "x", ""]))
+_keys = st.sampled_from(["count", "ratio", "tags", "mode", "opts", "depth", "sizes", "other"])
+_values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_keys, inner, max_size=3),
+                       max_leaves=12)
+
+
+def _nest(value, levels: int):
+    for i in range(levels):
+        value = {"opts": value} if i % 2 else [value]
+    return value
+
+
+@pytest.mark.unit
+@given(arguments=st.one_of(st.dictionaries(_keys, _values, max_size=5), _values,
+                           st.builds(lambda v, n: {"opts": _nest(v, n)}, _values, st.integers(0, 80))),
+       strict=st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_checked_arguments_always_fit_the_schema(arguments, strict):
+    """Property (issue 33): for any nested arguments (any depth), checking never raises and either refuses them with
+    errors naming an argument, or hands the tool arguments that fit the schema."""
+    taken, errors = nested_schema(strict).check_arguments(arguments)
+    assert all(isinstance(e, str) and ": " in e for e in errors)
+    assert errors or fits_nested_schema(taken)
+
+
+@pytest.mark.unit
+def test_arguments_out_of_schema_never_reach_the_tool():
+    """Contract (issue 33): a value out of bounds or of the wrong item type is an `invalid_arguments` response naming
+    it, and the tool is not called; `3.0` for an integer runs the tool with the int 3."""
+    seen = []
+
+    async def behaviour(params):
+        seen.append(params)
+        return "ran", 0.0, {}
+
+    runner = ToolRunner(ScriptedTool({}, nested_schema(), behaviour))
+    bad = asyncio.run(runner.execute("i", {"count": -1, "tags": [None]}))
+    assert bad.error == "invalid_arguments: count: -1 is less than the minimum of 0; tags.0: None is not of type 'string'"
+    assert seen == []
+    assert asyncio.run(runner.execute("i", {"count": 3.0})).error is None
+    assert seen == [{"count": 3}] and type(seen[0]["count"]) is int
 
 
 @pytest.mark.unit

@@ -350,6 +350,8 @@ def test_arguments_are_read_as_verls_tools_read_them():
 
     assert parse(lenient, '{"answer": 18, "count": "3"}') == {"answer": "18", "count": 3}
     assert parse(lenient, '{"answer": 2.5, "count": "-4"}') == {"answer": "2.5", "count": -4}
+    assert parse(lenient, '{"answer": "1", "count": 3.0}') == parse(strict, '{"answer": "1", "count": 3.0}') == {
+        "answer": "1", "count": 3}
     assert parse(lenient, json.dumps(json.dumps({"answer": "x", "count": 1}))) == {"answer": "x", "count": 1}
     for bad in ('{"answer": true, "count": 1}', '{"answer": null, "count": 1}', '{"answer": ["1"], "count": 1}',
                 '{"answer": {"a": 1}, "count": 1}', '{"answer": "1", "count": "3.5"}', '{"answer": "1", "count": 2.5}',

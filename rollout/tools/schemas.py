@@ -14,14 +14,19 @@ Departs from verl:
   verl's models keep only `type`, `description`, `enum`.
 - Arguments are taken as verl's tools take them (verl checks none; its tools call `str()` on
   what they read): a number given for a string field becomes its text, an integral string
-  given for an integer field becomes the integer; a bool, null or container given for a
-  scalar field, a value outside its `enum`, or a missing required argument, is refused. A tool opts in to full JSON-schema
-  validation of the arguments as written with `config.strict_arguments: true`.
+  given for an integer field becomes the integer, at any depth (nested properties, array items).
+  The result is then validated against the whole JSON schema (item types, bounds, enums,
+  required keys of nested objects ...), so a bool, null or container given for a scalar, a
+  value out of bounds or a missing required argument is refused. A tool opts in to validation
+  of the arguments as written, with no text/number coercion, with `config.strict_arguments: true`.
+  In both modes an integral number for an integer field (`3.0`, an integer in JSON schema)
+  reaches the tool as an int, and NaN or an infinity (which Python's `json` reads) is no number.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, Literal
 
@@ -29,9 +34,20 @@ import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 _PARAMETER_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
-_SCALAR_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool}
 _INTEGRAL = re.compile(r"[+-]?\d+")
 MAX_ARGUMENT_DEPTH = 64  # arguments nested deeper are refused unchecked (validators recurse per level)
+
+
+def _json_number(_checker: Any, value: Any) -> bool:
+    """JSON schema's number, less NaN and infinities (Python's `json` reads `NaN`, `Infinity`; JSON has neither)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, int) or math.isfinite(value)
+
+
+_ArgumentValidator = jsonschema.validators.extend(  # draft 2020-12, numbers as JSON has them
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("number", _json_number))
 
 
 class ToolSchemaError(ValueError):
@@ -83,7 +99,7 @@ class OpenAIFunctionToolSchema(BaseModel):
 
     type: str = "function"
     function: OpenAIFunctionSchema
-    _strict_arguments: bool = PrivateAttr(default=False)  # full JSON-schema validation of arguments (opt-in)
+    _strict_arguments: bool = PrivateAttr(default=False)  # validate arguments as written, no coercion (opt-in)
     _validator: Any = PrivateAttr(default=None)
 
     @classmethod
@@ -92,6 +108,7 @@ class OpenAIFunctionToolSchema(BaseModel):
         if hasattr(data, "model_dump") and not isinstance(data, cls):
             data = data.model_dump(exclude_unset=True)
         if isinstance(data, cls):
+            _check_parameters(data.function.parameters_json(), f"{where}.function.parameters")
             return data
         if not isinstance(data, dict):
             raise ToolSchemaError(f"{where}: expected a mapping with 'type' and 'function', got {type(data).__name__}")
@@ -114,7 +131,7 @@ class OpenAIFunctionToolSchema(BaseModel):
         return cls(type="function", function=function)
 
     def with_strict_arguments(self, strict: bool) -> OpenAIFunctionToolSchema:
-        """A copy whose `check_arguments` validates the arguments as written against the full JSON schema."""
+        """A copy whose `check_arguments` validates the arguments as written (no text/number coercion)."""
         copy = self.model_copy()
         copy._strict_arguments = bool(strict)
         copy._validator = None
@@ -122,7 +139,7 @@ class OpenAIFunctionToolSchema(BaseModel):
 
     @property
     def strict_arguments(self) -> bool:
-        """Whether arguments get full JSON-schema validation (`config.strict_arguments`), not verl's coercions."""
+        """Whether arguments are validated as written (`config.strict_arguments`), without verl's coercions."""
         return self._strict_arguments
 
     def to_openai(self) -> dict[str, Any]:
@@ -136,38 +153,22 @@ class OpenAIFunctionToolSchema(BaseModel):
     def check_arguments(self, arguments: Any) -> tuple[dict[str, Any], list[str]]:
         """(the arguments as the tool gets them, errors); no errors means the call may run.
 
-        Each error names the argument, e.g. `expression: True is not of type 'string'`. Never raises:
-        arguments nested deeper than MAX_ARGUMENT_DEPTH are refused without being walked.
+        The arguments are coerced (`_take`), then validated against the whole JSON schema. Each error names
+        the argument by its path, e.g. `tags.0: None is not of type 'string'`. Never raises: arguments nested
+        deeper than MAX_ARGUMENT_DEPTH are refused without being walked.
         """
         if not isinstance(arguments, dict):
             return {}, [f"arguments: must be a JSON object, got {type(arguments).__name__}"]
         if nesting_depth(arguments) > MAX_ARGUMENT_DEPTH:
             return arguments, [f"arguments: nested deeper than {MAX_ARGUMENT_DEPTH} levels"]
-        if self._strict_arguments:
-            return arguments, self._validate(arguments)
-        params = self.function.parameters
-        coerced = dict(arguments)
-        errors = [f"{req}: required argument is missing" for req in params.required if req not in coerced]
-        for key, value in arguments.items():
-            prop = params.properties.get(key)
-            if prop is None or prop.type is None:
-                continue
-            types = prop.type if isinstance(prop.type, list) else [prop.type]
-            value = coerced[key] = _coerce(value, types)
-            if not _fits(value, types):
-                errors.append(f"{key}: {value!r} is not of type {' or '.join(map(repr, types))}")
-            elif prop.enum is not None and value not in prop.enum:
-                errors.append(f"{key}: {value!r} is not one of {prop.enum}")
-        return coerced, errors
-
-    def _validate(self, arguments: dict[str, Any]) -> list[str]:
         if self._validator is None:
-            self._validator = jsonschema.Draft202012Validator(self.function.parameters_json())
+            self._validator = _ArgumentValidator(self.function.parameters_json())
+        taken = _take(arguments, self._validator.schema, lenient=not self._strict_arguments)
         try:
-            errors = sorted(self._validator.iter_errors(arguments), key=lambda e: list(e.absolute_path))
+            errors = sorted(self._validator.iter_errors(taken), key=lambda e: list(e.absolute_path))
         except RecursionError:
-            return ["arguments: nested too deeply to validate"]
-        return [f"{'.'.join(str(p) for p in e.absolute_path) or 'arguments'}: {e.message}" for e in errors]
+            return taken, ["arguments: nested too deeply to validate"]
+        return taken, [f"{'.'.join(str(p) for p in e.absolute_path) or 'arguments'}: {e.message}" for e in errors]
 
 
 def nesting_depth(value: Any, limit: int = MAX_ARGUMENT_DEPTH + 1) -> int:
@@ -182,28 +183,38 @@ def nesting_depth(value: Any, limit: int = MAX_ARGUMENT_DEPTH + 1) -> int:
     return depth
 
 
-def _coerce(value: Any, types: list[str]) -> Any:
-    """verl's tools' reading of an argument: numbers as text for strings, integral text as integers."""
+def _take(value: Any, schema: Any, lenient: bool) -> Any:
+    """`value` as the tool gets it under `schema`: scalars through `_coerce`, dicts and lists walked along
+    `properties` / `additionalProperties` / `items` (recursion bounded by the arguments' checked depth)."""
+    if not isinstance(schema, dict):  # a boolean schema, or none applies: as written
+        return value
+    if isinstance(value, dict):
+        properties = schema.get("properties", {})
+        extra = None if "patternProperties" in schema else schema.get("additionalProperties")
+        return {k: _take(v, properties.get(k, extra), lenient) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_take(v, schema.get("items"), lenient) for v in value]
+    types = schema.get("type") or []
+    return _coerce(value, types if isinstance(types, list) else [types], lenient)
+
+
+def _coerce(value: Any, types: list[str], lenient: bool) -> Any:
+    """An integral number for an integer field as an int; when `lenient`, also verl's tools' reading of an
+    argument: numbers as text for strings, integral text as integers."""
     if isinstance(value, bool) or value is None:
+        return value
+    if "integer" in types and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not lenient:
         return value
     if "string" in types and isinstance(value, (int, float)) and not {"integer", "number"} & set(types):
         return str(value)
     if "integer" in types and isinstance(value, str) and "string" not in types and _INTEGRAL.fullmatch(value.strip()):
-        return int(value)
+        try:
+            return int(value)
+        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits): refused as text
+            return value
     return value
-
-
-def _fits(value: Any, types: list[str]) -> bool:
-    for typ in types:
-        if typ in _SCALAR_TYPES:
-            if isinstance(value, bool) != (typ == "boolean"):
-                continue
-            if isinstance(value, _SCALAR_TYPES[typ]) and not (typ == "integer" and isinstance(value, float)):
-                return True
-        elif typ == "null" and value is None or typ == "object" and isinstance(value, dict) \
-                or typ == "array" and isinstance(value, list) or typ not in _PARAMETER_TYPES:
-            return True
-    return False
 
 
 def _check_parameters(parameters: Any, where: str) -> None:
@@ -257,7 +268,7 @@ class OpenAIFunctionCallSchema(BaseModel):
             return cls(name=name, arguments=arguments), None
         try:
             decoded = json.loads(arguments)
-        except (json.JSONDecodeError, TypeError, RecursionError) as exc:
+        except (ValueError, TypeError, RecursionError) as exc:  # ValueError: JSONDecodeError, or an over-long integer
             return cls(name=name, arguments={}), f"arguments are not valid JSON: {exc}"
         if not isinstance(decoded, dict):
             return cls(name=name, arguments={}), f"arguments must be a JSON object, got {type(decoded).__name__}"

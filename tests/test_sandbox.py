@@ -10,6 +10,7 @@ it is named.
 from __future__ import annotations
 
 import asyncio
+import glob
 import os
 import random
 import shutil
@@ -23,8 +24,9 @@ from pathlib import Path
 import pytest
 
 from rollout.tools import ToolRegistry
-from rollout.tools.sandbox import SandboxLimits
-from rollout.tools.sandbox_isolation import find_interpreter, namespaces_available
+from rollout.tools.sandbox import SandboxLimits, SandboxWorker
+from rollout.tools.sandbox_isolation import WORKDIR_PREFIX, find_interpreter, namespaces_available, workdir_parent
+from rollout.tools.sandbox_pool import SandboxPool
 
 AS_ROOT = os.geteuid() == 0
 MODES = [
@@ -707,3 +709,109 @@ asyncio.run(main())
     while left() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert left() == set()
+
+
+@pytest.mark.unit
+def test_closing_a_filling_pool_releases_the_workers_already_started(pool_loop):
+    """Shutdown while filling: a worker whose start ended before `close` cancelled the others' is released (its
+    process killed, its uid and work dir freed), not dropped with the cancelled batch of starts."""
+    started, released = [], []
+
+    class StubSandbox:
+        async def start_worker(self):
+            if started:
+                await asyncio.Event().wait()  # the second start never ends: close cancels it
+            started.append(SandboxWorker(None, None, None))
+            return started[-1]
+
+        async def discard(self, worker):
+            released.append(worker)
+
+        finish = discard
+
+    pool = SandboxPool(StubSandbox(), 2)
+    pool.start()
+    deadline = time.monotonic() + 10
+    while not started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    pool.close()
+    assert started and released == started
+
+
+# ---------------------------------------------------------------- rlimits_unsafe work dirs (sandbox_isolation)
+
+# Hostile programs for the work dir's removal. Each writes slowly (a few ms apart), and a process it leaves behind
+# ends by itself within 3 s: on code that does not kill it, it must not burden the machine.
+_WRITE_LOOP = """
+import os, time
+def write_forever(end=time.time() + 3):
+    while time.time() < end:
+        try:
+            os.makedirs(f"w{os.getpid()}/{time.time_ns() % 20}", exist_ok=True)
+        except OSError:
+            pass
+        time.sleep(0.002)
+    os._exit(0)
+"""
+HOSTILE_RUNS = {
+    # cancelled by the runner's timeout (as an agent loop aborting) while it and its child write
+    "cancelled mid-run": (_WRITE_LOOP + "if os.fork() == 0:\n    write_forever()\ntime.sleep(60)",
+                          {"timeout_s": 1, "wall_timeout_s": 60}),
+    # the wall-clock timeout kills a group whose child ignores SIGTERM and SIGXCPU
+    "timeout, child ignores SIGTERM/SIGXCPU": (
+        _WRITE_LOOP + "import signal\nfor s in (signal.SIGTERM, signal.SIGXCPU):\n    signal.signal(s, signal.SIG_IGN)\n"
+        "if os.fork() == 0:\n    write_forever()\ntime.sleep(60)", {"wall_timeout_s": 1, "cpu_time_s": 1}),
+    "output flood": ("import os\nfor _ in range(64):\n    os.write(1, b'x' * 65536)", {}),
+    # escapes the process group (setsid + fork, open in rlimits_unsafe) and writes on after the run ended
+    "background writers": (_WRITE_LOOP + "if os.fork() == 0:\n    os.setsid()\n    for _ in range(3):\n"
+                           "        if os.fork() == 0:\n            write_forever()\n    os._exit(0)\ntime.sleep(0.2)", {}),
+    "permissions taken away": ("import os\nos.makedirs('a/b/c')\nopen('a/b/c/f', 'w').close()\nos.chmod('a/b/c', 0)\n"
+                               "os.chmod('a/b', 0o500)\nos.chmod('a', 0)\nos.chmod('.', 0o500)", {}),
+    "a tree deeper than rmtree recurses": ("import os\nfor _ in range(1200):\n    os.mkdir('d')\n    os.chdir('d')", {}),
+}
+
+
+def own_workdirs() -> set[str]:
+    """The rlimits_unsafe work dirs made by this process (named after its pid)."""
+    return set(glob.glob(os.path.join(workdir_parent(), f"{WORKDIR_PREFIX}{os.getpid()}-*")))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("program", list(HOSTILE_RUNS))
+def test_hostile_runs_leave_no_work_dir(program, event_loop_policy, python_runner):
+    """Cleanup on every way out: whatever the code does to its work dir or however the run ends (cancelled, timed
+    out, flooding, writers escaped from its group, permissions removed, a deep tree), once its tool is closed no
+    work dir of it is left. The cold path (asyncio) and the warm one (uvloop-pool) each; the plain uvloop run
+    would repeat the cold one."""
+    if event_loop_policy == "uvloop":
+        pytest.skip("the work dir's removal does not depend on the loop: the asyncio run covers the cold path")
+    code, overrides = HOSTILE_RUNS[program]
+    before = own_workdirs()  # taken before the pool (if any) makes the work dir the call runs in
+    runner = python_runner("rlimits_unsafe", **overrides)
+    result = run_code(runner, code)
+    assert result.error is None or result.timed_out, result.error
+    asyncio.run(runner.tool.close())
+    assert own_workdirs() - before == set()
+
+
+@pytest.mark.unit
+def test_building_a_sandbox_sweeps_work_dirs_of_dead_processes_only(pool_loop, python_runner):
+    """The sweep: a work dir left by a process that is gone (killed before its cleanup) is removed when an
+    rlimits_unsafe sandbox is built, here by starting a pool; one of a live process (another pool on this host) is
+    kept."""
+    if pool_loop != "asyncio":
+        pytest.skip("no loop is involved: one run is enough")
+    with subprocess.Popen(["true"]) as gone, subprocess.Popen(["sleep", "30"]) as alive:
+        gone.wait()
+        stale, live = (Path(workdir_parent(), f"{WORKDIR_PREFIX}{p.pid}-test") for p in (gone, alive))
+        try:
+            for path in (stale, live):
+                (path / "sub").mkdir(parents=True)
+                (path / "sub" / "f").write_text("x")
+            os.chmod(stale / "sub", 0)
+            python_runner("rlimits_unsafe", pool_size=1)
+            assert not stale.exists() and (live / "sub" / "f").exists()
+        finally:
+            alive.kill()
+            shutil.rmtree(live, ignore_errors=True)
+            shutil.rmtree(stale, ignore_errors=True)

@@ -26,12 +26,13 @@ Every run gets a fresh process with, in order of strength:
 
 Namespaces are the only sandbox. Without them the run can be started only when the config says
 so explicitly, `isolation: rlimits_unsafe` (a warning is logged at start): 2-5 still hold, the
-working directory is a fresh host temp dir, and a Python audit hook refuses sockets, `ctypes`
-and starting other programs, but this is NOT a sandbox: the code can read every world-readable
-file of the host, leave files in /tmp, /var/tmp and /dev/shm that outlive the call, keep a
-process alive past the call (`setsid` + double fork escapes the process group), and undo the
-audit hook from inside. There is no silent fallback: with `isolation: namespaces` (the
-default) and no working `unshare`, building the sandbox fails naming the fix.
+working directory is a fresh host temp dir (removed after the run whatever the run did to it, see
+`rollout.tools.sandbox_isolation`), and a Python audit hook refuses sockets, `ctypes` and starting
+other programs, but this is NOT a sandbox: the code can read every world-readable file of the host,
+leave files in /tmp, /var/tmp and /dev/shm that outlive the call, keep a process alive past the call
+(`setsid` + double fork escapes the process group), and undo the audit hook from inside. There is no
+silent fallback: with `isolation: namespaces` (the default) and no working `unshare`, building the
+sandbox fails naming the fix.
 
 A run is split in two: `start_worker` starts the sandbox up to an interpreter waiting for code,
 `run_on` runs the code there and kills it. `run` does both; `rollout.tools.sandbox_pool` does the
@@ -53,18 +54,19 @@ import random
 import secrets
 import shutil
 import signal
-import tempfile
 import time
 from dataclasses import dataclass, field, fields
 
 from rollout.tools.child_process import ChildProcess, PipeReader, spawn
 from rollout.tools.sandbox_isolation import (
     DEFAULT_VISIBLE_PATHS,
-    workdir_parent,
     find_interpreter,
     limits_argv,
+    make_workdir,
     namespace_argv,
     namespaces_available,
+    remove_workdir,
+    sweep_workdirs,
 )
 
 logger = logging.getLogger(__name__)
@@ -243,6 +245,7 @@ class Sandbox:
             raise RuntimeError("running as root needs `setpriv` (util-linux) to drop privileges inside the sandbox")
         self.isolation = isolation
         if isolation == "rlimits_unsafe":
+            sweep_workdirs()  # work dirs of processes that died before removing them
             logger.warning(
                 "sandbox: isolation rlimits_unsafe is NOT a sandbox: the code can read the host's world-readable "
                 "files, leave files in /tmp, /var/tmp, /dev/shm and processes that outlive the call"
@@ -275,27 +278,26 @@ class Sandbox:
     async def start_worker(self) -> SandboxWorker:
         """Start a sandbox up to the point where its interpreter waits for code (namespaces, mounts, limits
         and privilege drop all done). Raises `SandboxStartError` when it cannot; cancelling kills it."""
-        uid = self._take_uid()
-        workdir = None if self.isolation == "namespaces" else tempfile.mkdtemp(prefix="polyturn-sandbox-", dir=workdir_parent())
-        if workdir is None:
-            argv = limits_argv(self.limits, self._prlimit, self._setpriv) + namespace_argv(
-                self._unshare, self.as_root, self.limits.disk_mb, self.visible_paths, self.python, _RUN_PRELUDE, uid)
-            cwd = "/"
-        else:
-            argv = limits_argv(self.limits, self._prlimit, self._setpriv, uid) + [
-                self.python, "-I", "-u", "-c", _AUDIT_PRELUDE + _RUN_PRELUDE]
-            cwd = workdir
-            if uid is not None:
-                os.chown(workdir, uid, uid)
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir or "/tmp"}
-        worker = SandboxWorker(None, uid, workdir)
-        try:
+        worker = SandboxWorker(None, self._take_uid(), None)
+        try:  # from here on every way out that is not a started worker releases it (uid, work dir)
+            if self.isolation == "namespaces":
+                argv = limits_argv(self.limits, self._prlimit, self._setpriv) + namespace_argv(
+                    self._unshare, self.as_root, self.limits.disk_mb, self.visible_paths, self.python, _RUN_PRELUDE,
+                    worker.uid)
+                cwd = "/"
+            else:
+                argv = limits_argv(self.limits, self._prlimit, self._setpriv, worker.uid) + [
+                    self.python, "-I", "-u", "-c", _AUDIT_PRELUDE + _RUN_PRELUDE]
+                cwd = worker.workdir = make_workdir()
+                if worker.uid is not None:
+                    os.chown(cwd, worker.uid, worker.uid)
+            env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": worker.workdir or "/tmp"}
             worker.proc = await spawn(argv, cwd=cwd, env=env)  # no Python between fork and exec
             # The interpreter writes one byte when it is ready for code (see _RUN_PRELUDE).
             await asyncio.wait_for(worker.proc.stdout.readexactly(1), self.limits.wall_timeout_s)
         except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
             stderr = await self.discard(worker)
-            raise SandboxStartError(f"could not start the sandbox: {exc!r} {stderr}".strip(), uid) from None
+            raise SandboxStartError(f"could not start the sandbox: {exc!r} {stderr}".strip(), worker.uid) from None
         except BaseException:
             # Cancelled: kill now, not in a task the closing loop might never run.
             if worker.proc is not None:
@@ -333,14 +335,16 @@ class Sandbox:
             self._release(worker)
 
     def _release(self, worker: SandboxWorker) -> None:
+        """Free the worker's pipes, work dir and uid (once). Blocks only while a hostile run's work dir resists
+        removal (at most a few hundred ms; `remove_workdir`)."""
         if worker.released:
             return
         worker.released = True
         if worker.proc is not None:
             worker.proc.close()  # here, on its loop: the pipes are watched by it
-        self._uids_in_use.discard(worker.uid)
         if worker.workdir:
-            shutil.rmtree(worker.workdir, ignore_errors=True)
+            remove_workdir(worker.workdir, worker.uid)  # before the uid may be drawn again: it kills by uid
+        self._uids_in_use.discard(worker.uid)
 
     def _failed_start(self, why: str, start: float, uid: int | None) -> SandboxResult:
         return SandboxResult(

@@ -1,23 +1,36 @@
 """How a sandboxed interpreter is contained (`rollout.tools.sandbox`): the host probes (an interpreter the sandbox
-user can run, whether `unshare` works) and the command lines that confine it: `prlimit` / `setpriv` for the resource
+user can run, whether `unshare` works), the command lines that confine it: `prlimit` / `setpriv` for the resource
 limits and the unprivileged uid, `unshare` for the namespaces and the allow-listed root (see sandbox.py's docstring
-for what each layer holds back).
+for what each layer holds back), and the host work dirs of "rlimits_unsafe" runs.
+
+A work dir is named after the process that made it (`polyturn-sandbox-<pid>-...`) and is removed whatever the run
+did to it: processes that escaped the run's group and keep writing into it are killed, permissions it took away
+are given back, a tree too deep for `shutil.rmtree` goes to `rm -rf`. Dirs whose maker died before removing
+them (killed, or exited without closing its tool) are swept when a later sandbox is built; a live maker's are not.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rollout.tools.sandbox import SandboxLimits
+
+logger = logging.getLogger(__name__)
+
+WORKDIR_PREFIX = "polyturn-sandbox-"  # then the pid of the process that made it, "-", mkdtemp's random part
+_REMOVE_TRIES = 5  # removals of a work dir, the n-th after a 10 * 2**n ms pause (310 ms in all)
 
 # Top-level entries a sandboxed run sees; everything else in / is covered (see rollout.tools.sandbox).
 DEFAULT_VISIBLE_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/proc", "/dev", "/sys", "/tmp")
@@ -37,6 +50,86 @@ def workdir_parent() -> str:
     parent = tempfile.gettempdir()
     reachable = all(os.stat(p).st_mode & 0o001 for p in (Path(parent), *Path(parent).parents))
     return parent if reachable else "/tmp"
+
+
+def make_workdir() -> str:
+    """A fresh rlimits_unsafe work dir, named after this process (for `sweep_workdirs`)."""
+    return tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-", dir=workdir_parent())
+
+
+def remove_workdir(path: str, uid: int | None) -> bool:
+    """Remove a run's work dir, whatever the run left in it; True when it is gone. `uid`: the uid the run had to
+    itself (None: it ran as this process's user). Never raises. After a failed try: every process that may still
+    write into it is killed, and, when not root, permissions are given back (root needs none, and must not
+    follow links the run made)."""
+    for attempt in range(_REMOVE_TRIES):
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+        except RecursionError:  # nested deeper than Python 3.12's recursive rmtree goes
+            try:
+                subprocess.run(["rm", "-rf", "--one-file-system", "--", path], capture_output=True, timeout=60)
+            except (OSError, subprocess.SubprocessError):
+                pass
+        if not os.path.lexists(path):
+            return True
+        _kill_writers(path, uid)
+        if os.geteuid() != 0:
+            _restore_permissions(path)
+        time.sleep(0.01 * 2**attempt)
+    logger.warning("sandbox: could not remove the work dir %s", path)
+    return False
+
+
+def _kill_writers(workdir: str, uid: int | None) -> None:
+    """SIGKILL the processes that may still write into `workdir` (the run's, dying or escaped from its process
+    group): those running as `uid`, drawn for the run alone, or without one, those whose working directory is
+    inside `workdir`."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if uid is not None:
+                status = Path(entry.path, "status").read_text()
+                ours = status.split("\nUid:", 1)[1].split()[0] == str(uid)
+            else:
+                cwd = os.readlink(os.path.join(entry.path, "cwd"))
+                ours = cwd == workdir or cwd.startswith(workdir + "/")
+            if ours:
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, IndexError):
+            pass
+
+
+def _restore_permissions(top: str) -> None:
+    """Give this user rwx on every directory under `top`, each before it is listed (iteratively: any depth)."""
+    stack = [top]
+    while stack:
+        path = stack.pop()
+        try:
+            os.chmod(path, 0o700)
+            stack += [e.path for e in os.scandir(path) if e.is_dir(follow_symlinks=False)]
+        except OSError:
+            pass
+
+
+def sweep_workdirs() -> None:
+    """Remove the work dirs left by processes that are gone (named `WORKDIR_PREFIX<pid>-...`, see `make_workdir`);
+    a live process's dirs, symlinks and names of another form are left alone."""
+    for entry in os.scandir(workdir_parent()):
+        pid, sep, _ = entry.name.removeprefix(WORKDIR_PREFIX).partition("-")
+        if entry.name.startswith(WORKDIR_PREFIX) and sep and pid.isdigit() and not _pid_alive(int(pid)):
+            if entry.is_dir(follow_symlinks=False):
+                remove_workdir(entry.path, None)  # not by its owner's uid: anyone may make a dir so named
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
 
 
 def find_interpreter(preferred: str | None, drop_privileges: bool) -> str:

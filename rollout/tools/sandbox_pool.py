@@ -51,7 +51,7 @@ class SandboxPool:
         self.sandbox = sandbox
         self.size = size
         self._idle: collections.deque[SandboxWorker] = collections.deque()
-        self._used: list[SandboxWorker] = []  # ran their code; wait for the upkeep to kill them
+        self._used: list[SandboxWorker] = []  # ran their code (or died idle); wait for the upkeep to kill them
         self._calls: set[asyncio.Task] = set()  # runs in progress (cancelled by close)
         self._quiet: asyncio.Event | None = None  # set while no call runs (made on the pool's loop)
         self._upkeep_task: asyncio.Task | None = None
@@ -142,7 +142,7 @@ class SandboxPool:
             if _alive(worker):
                 return worker
             logger.warning("sandbox pool: idle worker %d died; replacing it", worker.proc.pid)
-            asyncio.ensure_future(self.sandbox.discard(worker))
+            self._used.append(worker)  # finished by the upkeep, or by `_shutdown`: no task the closing loop could drop
         return None
 
     def _upkeep_soon(self) -> None:
@@ -162,16 +162,17 @@ class SandboxPool:
             await asyncio.gather(*(self.sandbox.finish(w) for w in used))
             self._used = [w for w in self._used if w not in used]
             n = min(self.size - len(self._idle), _STARTS_AT_ONCE)
-            started = await asyncio.gather(*(self.sandbox.start_worker() for _ in range(n)), return_exceptions=True)
+            started = await asyncio.gather(*(self._start_idle() for _ in range(n)), return_exceptions=True)
             failed = [s for s in started if isinstance(s, BaseException)]
-            for worker in started:
-                if isinstance(worker, SandboxWorker):
-                    self._idle.append(worker)
             if failed:
                 if not isinstance(failed[0], SandboxStartError):
                     raise failed[0]
                 logger.warning("sandbox pool: %s; calls start their own sandboxes until a start succeeds", failed[0])
                 return
+
+    async def _start_idle(self) -> None:
+        """Start a worker and make it idle at once: one the gather was cancelled after is not lost to `_shutdown`."""
+        self._idle.append(await self.sandbox.start_worker())
 
     async def _shutdown(self) -> None:
         if self._upkeep_task is not None:

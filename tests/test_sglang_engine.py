@@ -95,6 +95,23 @@ def test_weight_update_from_tensor_then_disk_restores(sglang_engine, tiny_model_
 
 
 @pytest.mark.integration
+def test_weight_checksums_are_the_checkpoints_in_a_process_that_imported_megatron(sglang_engine, tiny_model_dir):
+    """The weight probe (`rollout.check_weights`) answers the checkpoint's per-tensor [sum, abs_sum, sum_sq] from a
+    process that imported megatron.core, which (since 0.19) replaces `torch.storage._load_from_bytes` with its own: a
+    CPU tensor pickled there is refused by SGLang's safe unpickler and its scheduler dies."""
+    from safetensors.torch import load_file
+
+    import megatron.core  # noqa: F401 - the replacement happens on import
+    from megatron_workers.weights import tensor_stats
+
+    served = sglang_engine.weight_checksums()
+    state = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    assert served and set(served) <= set(state)
+    for name, stats in served.items():
+        assert stats == pytest.approx(tensor_stats(state[name]), rel=1e-6), name
+
+
+@pytest.mark.integration
 def test_abort_mid_generation(sglang_engine):
     """An aborted request returns what it had, with finish_reason "abort"; the engine keeps serving."""
     async def run():

@@ -201,11 +201,17 @@ class SGLangEngine:
         """`{hf_name: [sum, abs_sum, sum_of_squares]}` (float64) of the weights this engine serves,
         TP shards combined (replicated copies counted once); see `weight_probe`."""
         with tempfile.TemporaryDirectory(prefix=f"probe-{self.name}-") as out_dir:
-            # plain pickle: the one-element placeholder goes by value, no shared handle to hand out per rank
-            payload = pickle.dumps([(weight_probe.probe_dir_name(out_dir), torch.zeros(1))])
+            # The one-element placeholder goes as SGLang's own update_weights_from_tensor sends tensors (ForkingPickler:
+            # a shared-memory handle, one per TP rank, each fetched once). Not by plain pickle: a CPU tensor's storage
+            # pickles through whatever `torch.storage._load_from_bytes` is, and megatron-core >= 0.19 replaces it on
+            # import with its own, which SGLang's safe unpickler refuses (the scheduler dies).
+            from sglang.srt.utils import MultiprocessingSerializer
+
+            placeholder = [(weight_probe.probe_dir_name(out_dir), torch.zeros(1))]
+            payloads = [MultiprocessingSerializer.serialize(placeholder) for _ in range(self._tp_size)]
             self.begin_weight_update()
             try:
-                self.update_weights_from_serialized([payload] * self._tp_size, load_format=weight_probe.LOADER)
+                self.update_weights_from_serialized(payloads, load_format=weight_probe.LOADER)
             finally:
                 self.end_weight_update()
             return weight_probe.combine(out_dir, self._tp_size)

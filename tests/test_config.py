@@ -20,6 +20,9 @@ FROZEN_KEYS = """
 actor_rollout_ref.actor.clip_ratio_c actor_rollout_ref.actor.clip_ratio_high actor_rollout_ref.actor.clip_ratio_low
 actor_rollout_ref.actor.entropy_coeff actor_rollout_ref.actor.kl_loss_coef actor_rollout_ref.actor.kl_loss_type
 actor_rollout_ref.actor.loss_agg_mode actor_rollout_ref.actor.loss_scale_factor
+actor_rollout_ref.actor.policy_loss.loss_mode actor_rollout_ref.actor.policy_loss.clip_cov_ratio
+actor_rollout_ref.actor.policy_loss.clip_cov_lb actor_rollout_ref.actor.policy_loss.clip_cov_ub
+actor_rollout_ref.actor.policy_loss.kl_cov_ratio actor_rollout_ref.actor.policy_loss.ppo_kl_coef
 actor_rollout_ref.actor.megatron.pipeline_model_parallel_size actor_rollout_ref.actor.megatron.param_offload
 actor_rollout_ref.actor.megatron.grad_offload actor_rollout_ref.actor.megatron.optimizer_offload actor_rollout_ref.hybrid_engine
 actor_rollout_ref.rollout.update_weights_mode actor_rollout_ref.rollout.check_weights

@@ -200,6 +200,26 @@ def test_gradient_checkpointing_is_megatron_full_recompute(home):
     assert recompute(f"{override}recompute_granularity=full") == (FULL_RECOMPUTE, {})
 
 
+@pytest.mark.unit
+def test_verl_v0_9_loss_keys_are_taken_and_unbuilt_modes_refused(home, tiny_model_dir):
+    """Contract: verl v0.9's `actor.policy_loss.loss_mode` (gspo, with its clip range) and `kl_loss_type=k3+` on the 3B
+    line compose and reach the policy loss's config; a verl loss mode polyturn does not build is refused before
+    Ray in ONE line naming the key, saying it is not built and why."""
+    args = line(VERL_3B, home, str(tiny_model_dir), **{"actor_rollout_ref.actor.kl_loss_type": "k3+"})
+    cfg = launch.load([*args, "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+                       "actor_rollout_ref.actor.clip_ratio_low=0.0003", "actor_rollout_ref.actor.clip_ratio_high=0.0004",
+                       "actor_rollout_ref.actor.policy_loss.kl_cov_ratio=0.001"])[0]
+    actor = cfg.actor_rollout_ref.actor
+    assert actor.policy_loss.loss_mode == "gspo" and actor.kl_loss_type == "k3+"
+    assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.policy_loss.kl_cov_ratio) == (0.0003, 0.0004, 0.001)
+    assert cfg.actor_rollout_ref.ref.reference(actor).policy_loss.loss_mode == "gspo"
+    with pytest.raises(ConfigError) as refused:
+        launch.load([*args, "actor_rollout_ref.actor.policy_loss.loss_mode=sapo"])
+    said = launch.one_line(refused.value)
+    assert said.startswith("actor_rollout_ref.actor.policy_loss.loss_mode=sapo is not built in polyturn: ")
+    assert "use one of" in said and "\n" not in str(refused.value)
+
+
 @pytest.mark.integration
 def test_verl_3b_line_starts_and_trains_a_step(home, tiny_model_dir, tmp_path):
     """Contract: `python -m recipe.main_ppo --config-name cpu_tiny <verl's 3B line>` starts and trains step 1 on

@@ -49,6 +49,14 @@ reinforce_plus_plus
 reinforce_plus_plus_baseline
 remax
 
+# The policy-loss modes, loaded by dotted path from their registry (recipe/algos/registry.py POLICY_LOSSES).
+vanilla
+gspo
+gpg
+clip_cov
+kl_cov
+geo_mean
+
 # Plug-in loading by dotted path from YAML (rollout/plugins.py, tool_configs/) and verl's plug-in surface
 # (rollout/plugins.py aliases verl.tools.schemas.* to rollout.tools.schemas.*).
 Gsm8kTool

@@ -1,8 +1,9 @@
 """RL algorithms as pure tensor functions: token rewards, advantages, KL, PPO losses.
 
 Submodules: `rewards` (where rewards sit on the token axis), `advantages` (the estimators),
-`registry` (each estimator's name, function and needs), `kl` (KL estimators and KL-in-reward controllers), `losses` (policy and value
-losses whose micro-batch shares sum to the mini-batch loss), `masked` (masked reductions),
+`registry` (each estimator's name, function and needs; the policy-loss modes), `kl` (KL estimators and KL-in-reward controllers),
+`losses` (policy and value losses whose micro-batch shares sum to the mini-batch loss), `policy_losses` (verl's
+policy-loss modes: vanilla, gspo, gpg, clip_cov, kl_cov, geo_mean), `masked` (masked reductions),
 `checks` (input validation). Everything a trainer needs is re-exported here.
 """
 from recipe.algos.advantages import (
@@ -22,9 +23,10 @@ from recipe.algos.kl import (
     kl_penalty,
     make_kl_controller,
 )
-from recipe.algos.losses import LOSS_AGG_MODES, PolicyLossConfig, ValueLossConfig, agg_loss, policy_loss, value_loss
+from recipe.algos.losses import (LOSS_AGG_MODES, PolicyLossConfig, PolicyLossModeConfig, ValueLossConfig, agg_loss,
+                                 policy_loss, value_loss)
 from recipe.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten
-from recipe.algos.registry import ADV_ESTIMATORS, EstimatorSpec
+from recipe.algos.registry import ADV_ESTIMATORS, POLICY_LOSSES, EstimatorSpec
 from recipe.algos.rewards import last_sampled_index, place_token_rewards
 from recipe.algos.rollout_correction import RolloutCorrectionConfig, rollout_weights
 
@@ -33,6 +35,7 @@ __all__ = [
     "FILTER_METRICS",
     "KL_KINDS",
     "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
     "AdaptiveKLController",
     "AdvantageInputs",
     "AlgorithmConfig",
@@ -42,6 +45,7 @@ __all__ = [
     "KLControlConfig",
     "KLController",
     "PolicyLossConfig",
+    "PolicyLossModeConfig",
     "RolloutCorrectionConfig",
     "ValueLossConfig",
     "agg_loss",

@@ -10,6 +10,11 @@ k1/k2/k3 naming, verl's aliases):
   verl, the log-ratio is clamped to [-20, 20] and the result to [-10, 10] so one outlier
   token cannot blow up the loss.
 
+A `+` suffix (`k3+`, `low_var_kl+`, `k1+`, `abs+`, ...; verl's straight-through forms) keeps the
+named estimator's value in the forward pass but takes the gradient of k2, 0.5 (log pi - log pi_ref)^2,
+whose gradient (log pi - log pi_ref) * grad log pi is, on samples from pi, an unbiased estimate of the
+gradient of KL(pi || pi_ref) (k1's and k3's are not). `k2+` / `mse+` are k2 itself.
+
 `full` (exact KL over the vocabulary) needs full distributions, which the vocab-parallel
 actor never gathers, so it is refused.
 
@@ -28,13 +33,18 @@ from torch import Tensor
 from recipe.algos.checks import check_same_shape
 from recipe.algos.masked import masked_mean
 
-KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+_BASE_KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+KL_KINDS = (*_BASE_KL_KINDS, *(kind + "+" for kind in _BASE_KL_KINDS))
 
 
 def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:
     """Per-token KL estimate (same shape as the inputs) of the given `kind` (see module doc)."""
     check_same_shape("log_prob", log_prob, "ref_log_prob", ref_log_prob)
     diff = log_prob - ref_log_prob
+    if kind.endswith("+") and kind[:-1] in _BASE_KL_KINDS:  # straight-through: this value, k2's gradient
+        value = kl_penalty(log_prob, ref_log_prob, kind[:-1])
+        k2 = 0.5 * diff.square()
+        return k2 - k2.detach() + value.detach()
     if kind in ("kl", "k1"):
         return diff
     if kind == "abs":

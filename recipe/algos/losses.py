@@ -23,15 +23,17 @@ Metrics follow the same rule: each is this micro-batch's share, and summing over
 micro-batches and ranks gives the mini-batch value (token-weighted fractions and KL; loss
 terms in the loss's own aggregation).
 
-Policy loss: PPO clipped surrogate with asymmetric clip range [1 - clip_ratio_low,
-1 + clip_ratio_high] ("clip-higher", DAPO) and dual-clip (Ye et al. 2020): for negative
-advantages the loss is capped at -A * clip_ratio_c. The log-ratio is clamped to [-20, 20]
-before exp, as in verl. Plus an optional KL loss to the reference and an entropy bonus,
-both aggregated like the policy-gradient term.
+Policy loss: by default (`policy_loss.loss_mode=vanilla`) the PPO clipped surrogate with asymmetric
+clip range [1 - clip_ratio_low, 1 + clip_ratio_high] ("clip-higher", DAPO) and dual-clip (Ye et al.
+2020): for negative advantages the loss is capped at -A * clip_ratio_c. The log-ratio is clamped to
+[-20, 20] before exp, as in verl. verl's other loss modes (gspo, gpg, clip_cov, kl_cov, geo_mean)
+are in `policy_losses.py`, registered in `registry.py`. Plus an optional KL loss to the reference and
+an entropy bonus, both aggregated with loss_agg_mode.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +42,7 @@ from torch import Tensor
 from recipe.algos.checks import check_2d, check_finite, check_same_shape
 from recipe.algos.kl import KL_KINDS, kl_penalty
 from recipe.algos.masked import masked_sum
+from recipe.algos.registry import POLICY_LOSSES, POLICY_LOSSES_NOT_BUILT, load_policy_loss
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -53,6 +56,40 @@ def _check_agg(prefix: str, mode: str, loss_scale_factor: float | None) -> None:
             f"{prefix}.loss_scale_factor is {loss_scale_factor}; loss_agg_mode 'seq-mean-token-sum-norm' needs a "
             "fixed horizon > 0 (usually data.max_response_length)"
         )
+
+
+@dataclass
+class PolicyLossModeConfig:
+    """`actor_rollout_ref.actor.policy_loss.*`: which policy-gradient loss (verl's loss modes, `policy_losses.py`)
+    and the settings of the modes that have some (verl's keys and defaults)."""
+
+    loss_mode: str = "vanilla"
+    """One of recipe.algos.registry.POLICY_LOSSES: vanilla (PPO), gspo, gpg, clip_cov, kl_cov, geo_mean."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: fraction of the sampled tokens whose gradient is cut."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: only tokens with covariance above this are candidates."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: only tokens with covariance below this are candidates."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: fraction of the sampled tokens (largest covariance) that get the |log ratio| penalty."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: weight of that penalty."""
+
+    def __post_init__(self) -> None:
+        p = "actor_rollout_ref.actor.policy_loss"
+        if self.loss_mode in POLICY_LOSSES_NOT_BUILT:
+            raise ValueError(f"{p}.loss_mode={self.loss_mode} is not built in polyturn: "
+                             f"{POLICY_LOSSES_NOT_BUILT[self.loss_mode]}; use one of {sorted(POLICY_LOSSES)}")
+        if self.loss_mode not in POLICY_LOSSES:
+            raise ValueError(f"{p}.loss_mode is {self.loss_mode!r}; use one of {sorted(POLICY_LOSSES)}")
+        for key in ("clip_cov_ratio", "kl_cov_ratio"):
+            if not 0.0 < getattr(self, key) <= 1.0:
+                raise ValueError(f"{p}.{key} is {getattr(self, key)}; it must lie in (0, 1]")
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"{p}.clip_cov_lb is {self.clip_cov_lb}, not below clip_cov_ub {self.clip_cov_ub}")
+        if self.ppo_kl_coef < 0:
+            raise ValueError(f"{p}.ppo_kl_coef is {self.ppo_kl_coef}; it must be >= 0")
 
 
 @dataclass
@@ -77,9 +114,13 @@ class PolicyLossConfig:
     """KL estimator of the KL loss, one of KL_KINDS."""
     entropy_coeff: float = 0.0
     """Subtract entropy_coeff * entropy from the loss (needs mb["entropy"])."""
+    policy_loss: PolicyLossModeConfig = field(default_factory=PolicyLossModeConfig)
+    """The policy-gradient term's loss mode and its settings."""
 
     def __post_init__(self) -> None:
         p = "actor_rollout_ref.actor"
+        if isinstance(self.policy_loss, dict):  # built directly (tests, scripts) rather than by the config builder
+            self.policy_loss = PolicyLossModeConfig(**self.policy_loss)
         if not 0.0 <= self.clip_ratio_low < 1.0:
             raise ValueError(f"{p}.clip_ratio_low is {self.clip_ratio_low}; it must lie in [0, 1)")
         if self.clip_ratio_high < 0.0:
@@ -108,6 +149,40 @@ class ValueLossConfig:
         if self.cliprange_value <= 0:
             raise ValueError(f"critic.cliprange_value is {self.cliprange_value}; it must be > 0")
         _check_agg("critic", self.loss_agg_mode, self.loss_scale_factor)
+
+
+@dataclass
+class PGInputs:
+    """One micro-batch's inputs to a loss mode; every tensor is (B, T)."""
+
+    log_probs: Tensor
+    """Current policy's log-probs of the sampled tokens, with grad."""
+    old_log_probs: Tensor
+    """The behaviour (old) policy's log-probs."""
+    advantages: Tensor
+    """Per-token advantages."""
+    mask: Tensor
+    """response_mask: 1 on sampled tokens."""
+    weights: Tensor | None
+    """Rollout-correction weights (rollout_correction.py): detached, 0 on rejected tokens; None when off."""
+    global_token_count: int
+    """Sampled tokens in the mini-batch (all micro-batches and DP ranks)."""
+    global_seq_count: int
+    """Sequences in the mini-batch, likewise."""
+    agg: Callable[[Tensor], Tensor]
+    """The configured loss_agg_mode with the global denominators: (B, T) -> this micro-batch's share."""
+
+    def log_ratio(self) -> Tensor:
+        """log pi - log pi_old, clamped to [-20, 20] before any exp (as in verl). (B, T)"""
+        return (self.log_probs - self.old_log_probs).clamp(-20.0, 20.0)
+
+    def weighted(self, losses: Tensor) -> Tensor:
+        """Per-token losses times the rollout-correction weights, when on. (B, T)"""
+        return losses if self.weights is None else losses * self.weights
+
+    def none(self) -> Tensor:
+        """An all-False (B, T) mask (no token clipped)."""
+        return torch.zeros_like(self.mask, dtype=torch.bool)
 
 
 def _mask_and_counts(mb: dict[str, Any]) -> tuple[Tensor, int, int]:
@@ -166,6 +241,7 @@ def policy_loss(mb: dict[str, Any], cfg: PolicyLossConfig) -> tuple[Tensor, dict
 
     mb: `log_probs` (B, T) with grad, `old_log_probs`, `advantages`, `response_mask` (B, T),
     optional `entropy`, `ref_log_probs`, `rollout_is_weights` (B, T); ints `global_token_count`, `global_seq_count`.
+    The policy-gradient term is cfg.policy_loss.loss_mode's (policy_losses.py; clip fractions as defined there).
     Metrics: pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, and entropy / kl_loss when present.
     """
     mask, n_tok, n_seq = _mask_and_counts(mb)
@@ -176,20 +252,9 @@ def policy_loss(mb: dict[str, Any], cfg: PolicyLossConfig) -> tuple[Tensor, dict
     def agg(x: Tensor) -> Tensor:
         return agg_loss(x, mask, cfg.loss_agg_mode, n_tok, n_seq, cfg.loss_scale_factor)
 
-    log_ratio = (log_probs - old_log_probs).clamp(-20.0, 20.0)  # (B, T)
-    ratio = log_ratio.exp()  # (B, T)
-    loss_unclipped = -advantages * ratio  # (B, T)
-    loss_clipped = -advantages * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
-    pg_losses = torch.maximum(loss_unclipped, loss_clipped)  # (B, T)
-    clipped = loss_clipped > loss_unclipped  # (B, T)
-    dual_clipped = torch.zeros_like(clipped)
-    if cfg.clip_ratio_c is not None:
-        cap = -advantages * cfg.clip_ratio_c  # (B, T)
-        dual_clipped = (advantages < 0) & (pg_losses > cap)
-        pg_losses = torch.where(dual_clipped, cap, pg_losses)
-    if "rollout_is_weights" in mb:  # rollout correction (rollout_correction.py): detached, 0 on rejected tokens
-        pg_losses = pg_losses * mb["rollout_is_weights"]
-    pg_loss = agg(pg_losses)
+    inputs = PGInputs(log_probs, old_log_probs, advantages, mask, mb.get("rollout_is_weights"), n_tok, n_seq, agg)
+    pg_loss, clipped, dual_clipped = load_policy_loss(cfg.policy_loss.loss_mode)(inputs, cfg)
+    log_ratio = inputs.log_ratio()  # (B, T)
     loss = pg_loss
 
     def token_share(x: Tensor) -> Tensor:  # token-weighted share of a mini-batch mean

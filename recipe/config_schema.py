@@ -288,6 +288,8 @@ class RolloutPoolConfig:
 SCHEDULES = ("sync", "one_step_off", "fully_async")
 STALE_POLICIES = ("drop", "regenerate")
 _FIXED_BOUNDS = {"sync": 0, "one_step_off": 1}  # staleness bounds the schedule itself holds
+# Read by fully_async only: another schedule refuses any value but their default (it would ignore it silently).
+_FULLY_ASYNC_ONLY = ("staleness_threshold", "trigger_parameter_sync_step", "partial_rollout")
 
 
 @dataclass
@@ -332,6 +334,12 @@ class AsyncTrainingConfig:
         if self.staleness_threshold < 0:
             raise ConfigError(f"async_training.staleness_threshold={self.staleness_threshold}; it must be >= 0")
         if self.schedule != "fully_async":
+            ignored = [f"async_training.{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                       if f.name in _FULLY_ASYNC_ONLY and getattr(self, f.name) != f.default]
+            if ignored:
+                raise ConfigError(f"{', '.join(ignored)}: only async_training.schedule=fully_async reads it, and "
+                                  f"{self.schedule} would ignore it; set async_training.schedule=fully_async (verl's "
+                                  "fully_async_main: --config-name fully_async_ppo_megatron_trainer), or drop the key")
             if self.staleness_bound is not None:
                 raise ConfigError(f"async_training.staleness_bound is fixed by async_training.schedule={self.schedule} "
                                   f"({_FIXED_BOUNDS[self.schedule]}); drop the key, or use "

@@ -7,6 +7,10 @@
 - honoured: a polyturn key, or a verl key renamed onto its counterpart here
   (`rollout.log_prob_*` -> `actor.log_prob_*`, `actor.megatron.seed` -> `trainer.seed`), or a verl key
   whose value is what polyturn always does (`data.return_raw_chat=True`);
+- mapped once composed: verl's fully async batch keys (`data.train_batch_size=0`, `async_training.require_batches`,
+  `rollout.total_rollout_steps`) onto `data.train_batch_size` and `trainer.total_training_steps`
+  (`fully_async_overrides`), refused unless `async_training.schedule=fully_async` (verl's fully_async_main's config
+  name is the preset `fully_async_ppo_megatron_trainer`);
 - warned: verl-internal tuning knobs with no counterpart here, or none that changes the result
   (profiler, wake-up staging, FSDP knobs ...), dropped, all listed in ONE
   start-up warning;
@@ -50,6 +54,8 @@ class Rule:
     rename: str | None = None
     warn: bool = False
     same_as: str | None = None
+    composed: bool = False
+    """Mapped once the config is composed (`Launch.verl_batch`, `fully_async_overrides`)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,8 @@ class Entry:
     """`python -m <module>`, named in messages."""
     preset_hint: str = ""
     """Said after an unknown --config-name."""
+    preset_aliases: tuple[tuple[str, str], ...] = ()
+    """(verl's config name, the preset it runs as)."""
 
     @property
     def schema_node(self) -> str:
@@ -87,7 +95,17 @@ _REF_AS_ACTOR = {"param_offload": "every role is offloaded with the actor's flag
 
 _NO_CP = ("context parallelism is not supported: splitting a sequence over ranks needs TransformerEngine's attention "
           "(Megatron's TE layer spec), and polyturn runs the local layer spec without TransformerEngine")
-_FULLY_ASYNC = ("require_batches", "use_rollout_log_probs")
+# verl's fully async trainer (fully_async_main, --config-name fully_async_ppo_megatron_trainer): keys that become
+# polyturn's once the config is composed (`fully_async_overrides`), and its knobs that change nothing here.
+FULLY_ASYNC_PRESET = "fully_async_ppo_megatron_trainer"
+_VERL_BATCH = ("async_training.require_batches", "rollout.total_rollout_steps")
+_ASYNC = "async_training.schedule"
+_BYPASS = "algorithm.rollout_correction.bypass_mode"
+_ASYNC_NO_EFFECT = {"use_trainer_do_validate": "validation runs in the trainer's process either way",
+                    "use_dynamic_resource_scheduling": "the engines keep their own pool (rollout.*)",
+                    "dynamic_schedule_policy": "verl's dynamic resource scheduling",
+                    "dynamic_schedule_deactivate_ratio": "verl's dynamic resource scheduling",
+                    "dynamic_schedule_enable_rebalance": "verl's dynamic resource scheduling"}
 # verl keys that are not polyturn keys, by dotted key or by a section with everything under it.
 VERL_KEYS: dict[str, Rule] = {
     **{f"actor_rollout_ref.rollout.{k}": Rule(f"the actor's old-log-prob pass size: actor_rollout_ref.actor.{k}",
@@ -162,16 +180,26 @@ VERL_KEYS: dict[str, Rule] = {
         "IS weights are not renormalised to mean 1; drop the key", accept=(False,)),
     "reward_model": Rule("a model reward is not supported: rewards come from custom_reward_function.* and reward.*; "
                          "drop reward_model.*"),
-    **{f"async_training.{k}": Rule(
-        "a knob of verl's fully async trainer with no counterpart here: a step trains on data.train_batch_size prompt "
-        "groups, and the engine's log-probs are used through algorithm.rollout_correction.*; drop it")
-        for k in _FULLY_ASYNC},
+    **{k: Rule("verl's fully async trainer's batch key", composed=True) for k in _VERL_BATCH},
+    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": Rule(
+        "the weight sync's bucket size", rename="actor_rollout_ref.rollout.update_weights_bucket_megabytes"),
+    "actor_rollout_ref.rollout.checkpoint_engine.backend": Rule(
+        "the weight sync's path: actor_rollout_ref.rollout.update_weights_mode", warn=True),
+    **{f"async_training.{k}": Rule(why, warn=True) for k, why in _ASYNC_NO_EFFECT.items()},
+    "data.gen_batch_size": Rule("the rollouter streams prompt groups one by one (verl's fully async gen_batch_size=1)",
+                                accept=(1,), warn=True),
+    "actor_rollout_ref.rollout.calculate_log_probs": Rule(
+        "the engine's log-probs are always kept with each sampled token", accept=(True,), warn=True),
+    **{k: Rule("old log-probs are always recomputed by the trainer, and the engine's are used through "
+               "algorithm.rollout_correction.*; drop the key", accept=(False,))
+       for k in ("actor_rollout_ref.actor.use_rollout_log_probs", "async_training.use_rollout_log_probs")},
 }
 
 
 PPO = Entry(PPOConfig, "ppo_trainer", PRESETS, VERL_KEYS, "recipe.main_ppo",
             preset_hint=" (verl's gsm8k_multiturn_grpo is the base ppo_trainer: drop --config-name and keep the "
-                        "overrides)")
+                        "overrides)",
+            preset_aliases=(("fully_async_ppo_trainer", FULLY_ASYNC_PRESET),))  # polyturn trains with Megatron
 """The RL entry point."""
 
 
@@ -199,6 +227,9 @@ class Launch:
     """verl keys dropped as having no effect here, each with why (the one start-up warning)."""
     same_as: list[tuple[str, Any, str, str]] = field(default_factory=list)
     """(verl key, its value, the polyturn key it must equal, why) checked on the composed config."""
+    verl_batch: dict[str, Any] = field(default_factory=dict)
+    """verl's fully-async batch keys given (`async_training.require_batches`, `rollout.total_rollout_steps`,
+    `data.train_batch_size=0`), mapped onto polyturn's once composed (`fully_async_overrides`)."""
 
     def warning(self) -> str | None:
         """The one start-up line listing every verl key that has no effect here, or None."""
@@ -231,6 +262,7 @@ def _read_flags(argv: list[str], entry: Entry, launch: Launch, refused: list[str
         elif arg.startswith("-") and arg.split("=", 1)[0] in _FLAGS_WITH_VALUE:
             flag, value, i = _flag_value(argv, i)
             if flag in ("--config-name", "-cn"):
+                value = dict(entry.preset_aliases).get(value.removesuffix(".yaml"), value.removesuffix(".yaml"))
                 if value not in entry.presets:
                     refused.append(f"--config-name={value}: no such preset; use one of {list(entry.presets)}"
                                    + entry.preset_hint)
@@ -283,6 +315,8 @@ def prepare(argv: list[str], entry: Entry | None = None) -> Launch:
         seen[target] = arg
         if override.is_delete():
             refused.append(f"{arg}: keys cannot be deleted (every key has a default); drop {arg}")
+        elif rule is not None and rule.composed or key == "data.train_batch_size" and value == 0 and _ASYNC in known:
+            launch.verl_batch[key] = value
         elif rule is None:
             if key in known or key in sections:
                 launch.overrides.append(_normalize(key, value, arg))
@@ -306,6 +340,9 @@ def prepare(argv: list[str], entry: Entry | None = None) -> Launch:
             refused.append(f"{key}={value}: {rule.why}")
     if refused:
         raise ConfigError(" | ".join(refused) if len(refused) > 1 else refused[0])
+    if launch.config_name == FULLY_ASYNC_PRESET and _BYPASS not in seen:
+        launch.warned.append(f"{_BYPASS} (verl's fully-async config defaults it to True, the engine's log-probs as the "
+                             "old ones; here the trainer recomputes them, verl's False)")
     return launch
 
 
@@ -352,12 +389,52 @@ def compose(launch: Launch, entry: Entry | None = None) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k != "hydra"}
 
 
+def fully_async_overrides(launch: Launch, config: dict[str, Any]) -> list[str]:
+    """verl's fully-async batch keys as polyturn overrides, read against the composed config. verl's trainer steps on
+    require_batches x ppo_mini_batch_size prompts (its data.train_batch_size must be 0; require_batches defaults to
+    1): here that is data.train_batch_size. Its rollout.total_rollout_steps counts prompts: total_rollout_steps //
+    that batch steps (trainer.total_training_steps). Refused outside fully_async, which alone would read them, and
+    beside the polyturn key they set."""
+    given = launch.verl_batch
+    if not given:
+        return []
+    if (schedule := config["async_training"]["schedule"]) != "fully_async":
+        raise ConfigError(f"{', '.join(f'{k}={v}' for k, v in given.items())}: verl's fully async trainer reads it, "
+                          f"and async_training.schedule={schedule} would ignore it; set {_ASYNC}=fully_async (verl's "
+                          f"fully_async_main: --config-name {FULLY_ASYNC_PRESET}), or drop the key")
+    mine = {o.split("=", 1)[0] for o in launch.overrides}
+    refused = [f"{theirs} sets {ours} here (verl's fully async trainer); keep one of the two" for theirs, ours in
+               (("async_training.require_batches", "data.train_batch_size"),
+                ("rollout.total_rollout_steps", "trainer.total_training_steps")) if theirs in given and ours in mine]
+    for key in _VERL_BATCH:
+        if key in given and (not isinstance(given[key], int) or isinstance(given[key], bool) or given[key] < 1):
+            refused.append(f"{key}={given[key]}: a whole number >= 1")
+    if refused:
+        raise ConfigError(" | ".join(refused))
+    out, batch = [], config["data"]["train_batch_size"]
+    if "data.train_batch_size" in given or "async_training.require_batches" in given:
+        mini = config["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"]
+        batch = given.get("async_training.require_batches", 1) * mini
+        out.append(f"data.train_batch_size={batch}")
+    if "rollout.total_rollout_steps" in given:
+        if given["rollout.total_rollout_steps"] < batch:
+            raise ConfigError(f"rollout.total_rollout_steps={given['rollout.total_rollout_steps']} prompts are fewer "
+                              f"than one step's {batch} (data.train_batch_size); raise it")
+        out.append(f"trainer.total_training_steps={given['rollout.total_rollout_steps'] // batch}")
+    return out
+
+
 def load(argv: list[str], entry: Entry | None = None) -> tuple[Any, dict[str, Any], Launch]:
     """A command line as the entry point (default `PPO`) reads it, before anything starts: the typed config, its
-    plain dict, and the Launch (its one warning). Raises ConfigError (one line) for any mistake."""
+    plain dict, and the Launch (its one warning; its overrides carry verl's fully-async keys mapped). Raises
+    ConfigError (one line) for any mistake."""
     entry = entry or PPO
     launch = prepare(argv, entry)
     config = compose(launch, entry)
+    extra = fully_async_overrides(launch, config)
+    if extra:
+        launch.overrides += extra
+        config = compose(launch, entry)
     return entry.schema.from_dict(config), config, launch
 
 

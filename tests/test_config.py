@@ -12,7 +12,7 @@ from recipe.config_build import flat_keys
 from recipe.config_schema import ConfigError, PPOConfig
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "recipe" / "config")
-PRESETS = ("ppo_trainer", "cpu_tiny", "cpu_learn", "gsm8k_qwen2_5_3b")
+PRESETS = ("ppo_trainer", "cpu_tiny", "cpu_learn", "gsm8k_qwen2_5_3b", "fully_async_ppo_megatron_trainer")
 
 # The public config surface. A change here is a change for every user's scripts: add keys on
 # purpose (with a docstring in recipe/config_schema.py), never by accident.
@@ -133,7 +133,8 @@ def test_config_surface_is_frozen():
 @pytest.mark.parametrize("preset", PRESETS)
 def test_presets_compose_and_validate(preset, data_file, tmp_path):
     """Contract: every shipped preset composes with Hydra and validates (given data and, for the base, a model)."""
-    model = [f"actor_rollout_ref.model.path={tmp_path}"] if preset in ("ppo_trainer", "cpu_learn") else []
+    base = ("ppo_trainer", "cpu_learn", "fully_async_ppo_megatron_trainer")
+    model = [f"actor_rollout_ref.model.path={tmp_path}"] if preset in base else []
     data = [f"data.train_files=[{data_file}]", f"data.val_files=[{data_file}]"]
     cfg = PPOConfig.from_dict(load(preset, [*data, *model]))
     assert cfg.data.train_files == [str(Path(data_file).resolve())]
@@ -141,6 +142,12 @@ def test_presets_compose_and_validate(preset, data_file, tmp_path):
         assert cfg.actor_rollout_ref.model.build_tiny and cfg.trainer.n_gpus_per_node == 1
         assert cfg.actor_rollout_ref.rollout.n == 2 and cfg.data.train_batch_size == 4
         assert cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path.endswith("gsm8k_tool_config.yaml")
+    if preset == "fully_async_ppo_megatron_trainer":  # verl's fully-async config: a step is one mini-batch
+        a = cfg.async_training
+        assert (a.schedule, a.trigger_parameter_sync_step, a.staleness_threshold, a.partial_rollout) == (
+            "fully_async", 4, 0.1, True)
+        assert cfg.data.train_batch_size == cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+        assert not cfg.actor_rollout_ref.hybrid_engine and cfg.rollout.n_gpus_per_node == 8
     if preset == "gsm8k_qwen2_5_3b":
         assert cfg.dp_size == 4 and cfg.actor_rollout_ref.model.path == "Qwen/Qwen2.5-3B-Instruct"
         assert cfg.trainer.test_freq > 0 and cfg.trainer.save_freq > 0

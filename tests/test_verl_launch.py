@@ -89,6 +89,88 @@ VERL_MEGATRON = """
     actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2
 """
 
+# verl v0.9's fully async Megatron line (verl/experimental/fully_async_policy/shell/
+# grpo_8b_base_math_megatron_4_4_trtllm.sh: `python -m verl.experimental.fully_async_policy.fully_async_main
+# --config-path=config --config-name='fully_async_ppo_megatron_trainer.yaml' ...`), its overrides as written, the
+# `fully_async` block last. Left out: what polyturn refuses for other reasons than the schedule (data.truncation=left,
+# megatron.use_mbridge, rollout.max_num_batched_tokens / max_num_seqs / disable_log_stats, *.trust_remote_code,
+# reward.reward_manager.name), and rollout.name=trtllm is sglang here.
+VERL_FULLY_ASYNC = """
+    data.train_files=$HOME/data/gsm8k/train.parquet
+    data.val_files=$HOME/data/gsm8k/test.parquet
+    data.return_raw_chat=True
+    data.prompt_key=prompt
+    data.max_prompt_length=2048
+    data.max_response_length=8192
+    actor_rollout_ref.rollout.n=16
+    algorithm.adv_estimator=grpo
+    algorithm.use_kl_in_reward=False
+    algorithm.kl_ctrl.kl_coef=0.0
+    actor_rollout_ref.actor.use_kl_loss=False
+    actor_rollout_ref.actor.kl_loss_coef=0.0
+    actor_rollout_ref.actor.clip_ratio_low=0.2
+    actor_rollout_ref.actor.clip_ratio_high=0.28
+    actor_rollout_ref.actor.clip_ratio_c=10.0
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4
+    actor_rollout_ref.model.path=Qwen/Qwen2.5-3B-Instruct
+    actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.actor.optim.lr_warmup_steps=10
+    actor_rollout_ref.actor.optim.weight_decay=0.1
+    actor_rollout_ref.actor.ppo_mini_batch_size=32
+    actor_rollout_ref.actor.megatron.param_offload=False
+    actor_rollout_ref.actor.megatron.optimizer_offload=False
+    actor_rollout_ref.actor.megatron.grad_offload=False
+    actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1
+    actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2
+    actor_rollout_ref.actor.megatron.context_parallel_size=1
+    actor_rollout_ref.actor.entropy_coeff=0
+    actor_rollout_ref.actor.optim.clip_grad=1.0
+    actor_rollout_ref.actor.loss_agg_mode=token-mean
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.7
+    actor_rollout_ref.rollout.tensor_model_parallel_size=2
+    actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=4096
+    actor_rollout_ref.rollout.temperature=1.0
+    actor_rollout_ref.rollout.top_p=1.0
+    actor_rollout_ref.rollout.top_k=-1
+    actor_rollout_ref.rollout.val_kwargs.temperature=1.0
+    actor_rollout_ref.rollout.val_kwargs.top_p=0.7
+    actor_rollout_ref.rollout.val_kwargs.top_k=-1
+    actor_rollout_ref.rollout.val_kwargs.do_sample=True
+    actor_rollout_ref.rollout.val_kwargs.n=4
+    actor_rollout_ref.rollout.name=sglang
+    actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=1
+    actor_rollout_ref.ref.megatron.tensor_model_parallel_size=2
+    actor_rollout_ref.ref.megatron.context_parallel_size=1
+    actor_rollout_ref.ref.megatron.param_offload=False
+    trainer.logger=['console','wandb']
+    trainer.project_name=DAPO-Qwen3-8b-Base-MATH-fully-async
+    trainer.experiment_name=$EXPERIMENT_NAME
+    trainer.val_before_train=True
+    trainer.save_freq=-1
+    trainer.resume_mode=auto
+    trainer.log_val_generations=10
+    trainer.total_epochs=10
+    algorithm.rollout_correction.bypass_mode=False
+    algorithm.rollout_correction.rollout_is=token
+    data.train_batch_size=0
+    data.gen_batch_size=1
+    trainer.test_freq=10
+    actor_rollout_ref.hybrid_engine=False
+    actor_rollout_ref.rollout.calculate_log_probs=True
+    actor_rollout_ref.actor.optim.lr_decay_steps=51200
+    rollout.total_rollout_steps=51200
+    trainer.nnodes=1
+    trainer.n_gpus_per_node=4
+    rollout.nnodes=1
+    rollout.n_gpus_per_node=4
+    async_training.staleness_threshold=0.5
+    async_training.trigger_parameter_sync_step=4
+    async_training.require_batches=1
+    async_training.partial_rollout=True
+"""
+
 # What the 3B line's verl-only keys become (the line's other keys are polyturn keys of the same name).
 WARNED = ("actor_rollout_ref.actor.fsdp_config.param_offload", "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
           "global_profiler.tool", "global_profiler.save_path",
@@ -177,6 +259,60 @@ def test_verl_megatron_line_is_refused_all_at_once(home, tiny_model_dir):
     assert own.actor_rollout_ref.actor.megatron.tensor_model_parallel_size == 1 and own.role_dp_size(ref) == 2
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref.ref.megatron.dtype=float32: the KL term .*must equal"):
         launch.load([*fine, "actor_rollout_ref.ref.megatron.dtype=float32"])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("config_name", ["fully_async_ppo_megatron_trainer.yaml", "fully_async_ppo_trainer"])
+def test_verl_fully_async_line_composes_to_fully_async(home, tiny_model_dir, config_name):
+    """Contract: verl v0.9's fully async line, with its --config-name (polyturn's preset of that name; verl's FSDP
+    name runs as it), composes before Ray to async_training.schedule=fully_async with verl's meanings:
+    staleness_threshold, trigger_parameter_sync_step and partial_rollout as given; a step trains on require_batches x
+    ppo_mini_batch_size prompt groups (verl's data.train_batch_size=0), and rollout.total_rollout_steps prompts make
+    total_rollout_steps // that steps; the engines on their own pool. Nothing of it is warned about, but verl's
+    config's default bypass_mode=True when the line leaves it out (the trainer recomputes old log-probs here)."""
+    import ray
+
+    args = ["--config-name", config_name, *line(VERL_FULLY_ASYNC, home, str(tiny_model_dir))]
+    cfg, _, plan = launch.load(args)
+    a = cfg.async_training
+    assert (a.schedule, a.staleness_threshold, a.trigger_parameter_sync_step, a.partial_rollout) == (
+        "fully_async", 0.5, 4, True)
+    assert cfg.data.train_batch_size == 1 * 32 and cfg.trainer.total_training_steps == 51200 // 32
+    assert not cfg.actor_rollout_ref.hybrid_engine and (cfg.rollout.nnodes, cfg.rollout.n_gpus_per_node) == (1, 4)
+    assert cfg.actor_rollout_ref.rollout.update_weights_bucket_megabytes == 4096 and cfg.actor_rollout_ref.rollout.n == 16
+    assert "data.train_batch_size=32" in plan.overrides and plan.warning() is None
+    assert not ray.is_initialized()
+    default = launch.load([a for a in args if "bypass_mode" not in a])[2].warning()  # verl's config defaults it True
+    assert "algorithm.rollout_correction.bypass_mode (verl's fully-async config defaults it to True" in default
+    two = launch.load(line(VERL_FULLY_ASYNC, home, str(tiny_model_dir), **{"async_training.require_batches": 2})
+                      + ["async_training.schedule=fully_async"])[0]  # the base config, the schedule set
+    assert two.data.train_batch_size == 64 and two.trainer.total_training_steps == 800
+
+
+@pytest.mark.unit
+def test_verl_fully_async_line_without_its_config_name_is_refused(home, tiny_model_dir):
+    """Contract: verl's fully-async keys under the sync schedule (the line without verl's fully-async config name,
+    or a staleness_threshold alone) are refused before Ray in ONE line naming them and the fix, never run
+    synchronously in silence."""
+    with pytest.raises(ConfigError) as refused:
+        launch.load(line(VERL_FULLY_ASYNC, home, str(tiny_model_dir)))
+    message = str(refused.value)
+    assert "\n" not in message and "data.train_batch_size=0" in message and "rollout.total_rollout_steps=51200" in message
+    assert "set async_training.schedule=fully_async (verl's fully_async_main: --config-name " \
+           "fully_async_ppo_megatron_trainer)" in message
+    base = ["--config-name", "cpu_tiny", f"data.train_files=[{home / 'data' / 'gsm8k' / 'train.parquet'}]"]
+    for key in ("async_training.staleness_threshold=0.5", "async_training.trigger_parameter_sync_step=4",
+                "async_training.partial_rollout=False"):
+        with pytest.raises(ConfigError, match=rf"^{key}: only async_training.schedule=fully_async reads it, and sync "
+                                              r"would ignore it; set async_training.schedule=fully_async"):
+            launch.load([*base, key])
+    with pytest.raises(ConfigError, match=r"one_step_off would ignore it"):
+        launch.load([*base, "async_training.staleness_threshold=0.5", "async_training.schedule=one_step_off",
+                     "actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_gpus_per_node=1"])
+    with pytest.raises(ConfigError, match=r"^async_training.require_batches sets data.train_batch_size here"):
+        launch.load([*base, "async_training.schedule=fully_async", "actor_rollout_ref.hybrid_engine=false",
+                     "rollout.nnodes=1", "rollout.n_gpus_per_node=1", "async_training.require_batches=2",
+                     "data.train_batch_size=4"])
 
 
 @pytest.mark.unit

@@ -409,6 +409,8 @@ class PPOConfig:
                               "an estimator with a critic (algorithm.adv_estimator=gae)")
         mt = rollout.multi_turn
         mt.tool_config_path = resolve_path(mt.tool_config_path, "actor_rollout_ref.rollout.multi_turn.tool_config_path")
+        mt.function_tool_path = resolve_path(mt.function_tool_path,
+                                             "actor_rollout_ref.rollout.multi_turn.function_tool_path")
         mt.interaction_config_path = resolve_path(
             mt.interaction_config_path, "actor_rollout_ref.rollout.multi_turn.interaction_config_path")
         self.custom_reward_function.path = resolve_path(self.custom_reward_function.path, "custom_reward_function.path")

@@ -149,7 +149,8 @@ VERL_KEYS: dict[str, Rule] = {
                                                         warn=True),
     "actor_rollout_ref.rollout.trace": Rule("verl's rollout tracing (trainer.rollout_data_dir dumps trajectories)",
                                             warn=True),
-    "actor_rollout_ref.rollout.agent": Rule("verl's agent-loop worker knobs", warn=True),
+    "actor_rollout_ref.rollout.agent": Rule(
+        "verl's agent-loop worker knobs (agent.default_agent_loop is honoured)", warn=True),
     "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode": Rule(
         "the engine's token ids are kept as sampled; no re-tokenization to check", warn=True),
     "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template": Rule(
@@ -307,7 +308,7 @@ def prepare(argv: list[str], entry: Entry | None = None) -> Launch:
             launch.overrides.append(arg)
             continue
         value = override.value()
-        rule = _rule(key, entry.verl_keys)
+        rule = None if key in known else _rule(key, entry.verl_keys)  # a polyturn key under a verl section is ours
         target = rule.rename if rule is not None and rule.rename else key
         if target in seen:
             refused.append(f"{target} is given twice ({seen[target]} and {arg}); keep one")

@@ -192,15 +192,17 @@ def prepare(cfg: PPOConfig) -> Prepared:
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     # multi_turn.enable=false: single turn, so no tool or interaction is loaded (rows' kwargs are dropped at load)
     aliases = verl_aliases()  # verl's paths of the tasks' parts (verl's scorers), for verl's YAML
-    tools = ToolRegistry.from_config(mt.tool_config_path if mt.enable else None, aliases=aliases)
+    tools = ToolRegistry.from_config(mt.tool_config_path if mt.enable else None, aliases=aliases,
+                                     function_tool_path=mt.function_tool_path if mt.enable else None)
     interactions = InteractionRegistry.from_config(mt.interaction_config_path if mt.enable else None, aliases=aliases)
+    default_agent = cfg.actor_rollout_ref.rollout.agent.default_agent_loop  # rows without agent_name
     dataset = RLDataset(cfg.data.train_files, tools, interactions, tokenizer=tokenizer,
-                        max_prompt_length=cfg.data.max_prompt_length)
+                        max_prompt_length=cfg.data.max_prompt_length, default_agent=default_agent)
     logger.info("data: %d prompts from %s", len(dataset), cfg.data.train_files)
     val_prompts = None
     if cfg.data.val_files:
         val_data = RLDataset(cfg.data.val_files, tools, interactions, tokenizer=tokenizer,
-                             max_prompt_length=cfg.data.max_prompt_length)
+                             max_prompt_length=cfg.data.max_prompt_length, default_agent=default_agent)
         val_prompts = [dataclasses.replace(p, uid=f"val/{i}") for i, p in enumerate(val_data.items)]
         logger.info("validation data: %d prompts from %s", len(val_prompts), cfg.data.val_files)
     preflight.check_data(cfg, len(dataset), {p.data_source for p in dataset.items + (val_prompts or [])})

@@ -23,6 +23,8 @@ Where it departs from the textbook "render the chat, tokenize, generate" loop:
   flight and holds new ones until `resume`): the paused turn keeps what it sampled and is continued
   on the new weights as the same turn, each segment with the version that sampled it. A trajectory
   waiting on a tool or a simulated user keeps its place; its next request waits for `resume`.
+- A prompt's `agent_name` (verl's, `rollout.prompt`) picks its loop: `single_turn_agent` prompts get no tools
+  in their chat template and no simulated user, so they end after one assistant turn.
 - `generate` may run several times at once on one loop (fully_async's rollouter starts a call per
   prompt group); `abort` ends them all.
 - A trajectory whose engine dies (`EngineDeadError`) is started over on an engine still alive,
@@ -44,7 +46,7 @@ from typing import Any
 from tqdm import tqdm
 
 from rollout.chat_codec import ChatCodec
-from rollout.config import RolloutConfig
+from rollout.config import AGENT_LOOPS, RolloutConfig
 from rollout.engines.base import EngineDeadError, GenerateResult, RolloutEngine
 from rollout.engines.router import EngineRouter
 from rollout.interactions.registry import InteractionRegistry
@@ -90,6 +92,10 @@ class AgentLoop:
         for p in prompts:
             if not p.messages:
                 raise ValueError(f"prompt {p.uid}: no messages; each prompt needs at least one user message")
+            if p.agent_name not in AGENT_LOOPS:
+                raise ValueError(f"prompt {p.uid}: agent_name={p.agent_name!r}; polyturn runs {AGENT_LOOPS}")
+            if p.single_turn:  # no tools, no simulated user: its kwargs are not used
+                continue
             self.tools.validate_sample(p.tools_kwargs)
             if p.interaction_kwargs:
                 self.interactions.validate_sample(p.interaction_kwargs)
@@ -192,7 +198,7 @@ class AgentLoop:
             messages=[dict(m) for m in p.messages],
             tool_names=list(tool_names),
             tools_kwargs=dict(p.tools_kwargs),
-            interaction_kwargs=dict(p.interaction_kwargs),
+            interaction_kwargs={} if p.single_turn else dict(p.interaction_kwargs),  # single turn: no simulated user
             data_source=p.data_source,
             ground_truth=p.ground_truth,
             extra_info=dict(p.extra_info),

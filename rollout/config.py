@@ -42,6 +42,9 @@ class MultiTurnConfig:
     """Tool-call format, a name known to SGLang's FunctionCallParser ("qwen25", "hermes", ...)."""
     tool_config_path: str | None = None
     """YAML of the tools (verl format); None: no tools."""
+    function_tool_path: str | None = None
+    """Python file of `@function_tool` functions, each a tool (verl's key; `rollout.tools.function_tool`), with
+    the tool YAML's tools if both are set; None: none."""
     interaction_config_path: str | None = None
     """YAML of the interactions (verl format); None: no interactions."""
 
@@ -58,6 +61,26 @@ class MultiTurnConfig:
         if self.format not in TOOL_CALL_FORMATS:
             raise ValueError(f"{p}.format={self.format!r} is not a SGLang tool-call parser; "
                              f"use one of {TOOL_CALL_FORMATS}")
+
+
+# What a data row's `agent_name` (verl's) may name: the multi-turn loop with the sample's tools and interaction, or
+# one assistant turn with no tools and no simulated user (verl's `single_turn_agent`).
+AGENT_LOOPS = ("tool_agent", "single_turn_agent")
+
+
+@dataclass
+class AgentConfig:
+    """`actor_rollout_ref.rollout.agent.*` (verl's section; its worker knobs have no effect here)."""
+
+    default_agent_loop: str = "tool_agent"
+    """The agent loop of rows without `agent_name`: "tool_agent" (the multi-turn loop with tools and interactions)
+    or "single_turn_agent" (one turn, no tools). verl's default is single_turn_agent; polyturn's keeps its rows'
+    tools on."""
+
+    def __post_init__(self) -> None:
+        if self.default_agent_loop not in AGENT_LOOPS:
+            raise ValueError(f"actor_rollout_ref.rollout.agent.default_agent_loop={self.default_agent_loop!r} is not "
+                             f"an agent loop polyturn runs; use one of {AGENT_LOOPS}")
 
 
 @dataclass
@@ -148,6 +171,8 @@ class RolloutConfig:
     """Multi-turn limits, tool-call format and plug-in configs."""
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     """Sampling of the validation rollouts (same agent loop, same engines)."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Which agent loop rows without `agent_name` get."""
 
     def __post_init__(self) -> None:
         p = "actor_rollout_ref.rollout"
@@ -155,6 +180,8 @@ class RolloutConfig:
             self.multi_turn = MultiTurnConfig(**self.multi_turn)
         if isinstance(self.val_kwargs, dict):
             self.val_kwargs = ValKwargsConfig(**self.val_kwargs)
+        if isinstance(self.agent, dict):
+            self.agent = AgentConfig(**self.agent)
         if self.name != "sglang":
             raise ValueError(f"{p}.name is {self.name!r}; polyturn drives SGLang only: use sglang")
         for key in ("n", "response_length", "tensor_model_parallel_size", "update_weights_bucket_megabytes"):

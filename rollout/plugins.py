@@ -35,7 +35,7 @@ for the loading (`Registry.from_config(..., aliases=)`: the recipe's tasks map v
 theirs); any other `verl.*` path imports from verl when it is installed, and otherwise fails naming
 the table.
 
-A user's plug-in module is imported as verl would import it (`_prepare_user_imports`, before every load): without
+A user's plug-in module is imported as verl would import it (`prepare_user_imports`, before every load): without
 verl installed, its `from verl.tools.base_tool import BaseTool, ToolResponse` (and the other modules of the aliases
 in effect) gets polyturn's counterparts (`VerlStandIns`); and verl-recipe's paths (`recipe.<name>....`, its
 checkout on sys.path) import from the user's path although polyturn's own top-level package is also `recipe`.
@@ -93,6 +93,8 @@ VERL_ALIASES: dict[str, str] = {
     "verl.interactions.base.BaseInteraction": "rollout.interactions.base.BaseInteraction",
     "verl.interactions.gsm8k_interaction.Gsm8kInteraction": "rollout.interactions.gsm8k.Gsm8kInteraction",
     "verl.utils.rollout_trace.rollout_trace_op": "rollout.tracing.rollout_trace_op",
+    # function tools (multi_turn.function_tool_path): verl's decorator, marking the function for polyturn's loader
+    "verl.tools.function_tool.function_tool": "rollout.tools.function_tool.function_tool",
 }
 
 # The scorer verl's gsm8k tool and interaction use (verl's own path): theirs when their config names no
@@ -153,7 +155,7 @@ def _verl_modules() -> dict[str, dict[str, str]]:
 _VERL_STAND_INS = VerlStandIns()
 
 
-def _prepare_user_imports() -> None:
+def prepare_user_imports() -> None:
     """Make a user's plug-in importable as verl would import it: verl's plug-in modules as `VerlStandIns` (last
     on sys.meta_path; idempotent), and `recipe.<name>` paths polyturn's `recipe` lacks (verl-recipe's) found in the
     `recipe` directories on sys.path now, after polyturn's own, which keeps precedence (`pkgutil.extend_path`)."""
@@ -172,7 +174,7 @@ def _verl_installed() -> bool:
 def import_object(dotted: Any, where: str) -> Any:
     """Import `package.module.Name` (verl's paths through `VERL_ALIASES` and the added aliases), or `Name` from a
     Python file given as `path/to/file.py:Name`; errors name `where` (e.g. `tools.yaml: tools[2].class_name`)."""
-    _prepare_user_imports()
+    prepare_user_imports()
     if isinstance(dotted, str) and dotted.rpartition(":")[0].endswith(".py"):
         return _import_from_file(*dotted.rsplit(":", 1), where)
     if not isinstance(dotted, str) or "." not in dotted:

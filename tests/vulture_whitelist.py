@@ -69,6 +69,7 @@ OpenAIFunctionToolCall
 _.from_openai_function_parsed_schema
 _.is_empty
 _.is_text_only
+function_tool              # users' function-tool files decorate with it (verl.tools.function_tool.function_tool)
 
 # pydantic reads these by name (rollout/tools/schemas.py): the model config and a validator.
 model_config

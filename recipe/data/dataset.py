@@ -4,7 +4,8 @@ Rows are read once, validated once, at load: every row needs a chat `prompt` and
 `data_source`; a row whose `tools_kwargs` names a tool that is not in the tool registry, or
 whose `interaction_kwargs` routes to an unknown interaction, is refused naming the file, the
 row and the fix, so a typo in the data stops the run before the first rollout instead of
-failing one sample at a time mid-run.
+failing one sample at a time mid-run. So is a row whose `agent_name` is not an agent loop polyturn runs
+(`tool_agent`, `single_turn_agent`); rows without one get `default_agent` (`agent.default_agent_loop`).
 
 With a tokenizer, each prompt is tokenized here, once, the way the engine gets it: the chat
 template with the sample's own tool schemas and the generation prompt (`rollout.prompt.encode_prompt`,
@@ -83,13 +84,14 @@ class RLDataset:
         *,
         tokenizer: Any = None,
         max_prompt_length: int | None = None,
+        default_agent: str = "tool_agent",
     ):
         self.items: list[RolloutPrompt] = []
         dropped_kinds: set[str] = set()
         overlong = 0
         codec = ChatCodec.for_tokenizer(tokenizer) if tokenizer is not None else None
         for where, row in read_parquet_rows(files):
-            prompt = self._validate(where, row, tools, interactions, dropped_kinds)
+            prompt = self._validate(where, row, tools, interactions, dropped_kinds, default_agent)
             if codec is not None:
                 prompt.prompt_ids = encode_prompt(prompt, codec, tools)  # what the engine will get
                 if max_prompt_length is not None and len(prompt.prompt_ids) > max_prompt_length:
@@ -106,11 +108,11 @@ class RLDataset:
 
     @staticmethod
     def _validate(where: str, row: dict[str, Any], tools: ToolRegistry, interactions: InteractionRegistry,
-                  dropped_kinds: set[str]) -> RolloutPrompt:
+                  dropped_kinds: set[str], default_agent: str) -> RolloutPrompt:
         if not row.get("data_source"):
             raise ValueError(f"{where}: no data_source; each row needs one (it selects the reward scorer)")
         try:
-            prompt = RolloutPrompt.from_row(row, uid=where)
+            prompt = RolloutPrompt.from_row(row, uid=where, default_agent=default_agent)
             # parquet stores tools_kwargs as a struct over every row's tool names: null means "not this row's"
             prompt.tools_kwargs = {k: v for k, v in prompt.tools_kwargs.items() if v is not None}
             if not prompt.messages:

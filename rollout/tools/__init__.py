@@ -1,5 +1,5 @@
-"""Tools the policy can call during rollout: the `BaseTool` plug-in API, the YAML registry,
-the `ToolRunner` that enforces limits, and built-ins (gsm8k answer checker, python sandbox, MCP)."""
+"""Tools the policy can call during rollout: the `BaseTool` plug-in API, the YAML registry, function tools
+(`function_tool`), the `ToolRunner` that enforces limits, and built-ins (gsm8k answer checker, python sandbox, MCP)."""
 
 from rollout.tools.base import BaseTool
 from rollout.tools.registry import ToolConfigError, ToolRegistry

@@ -13,16 +13,22 @@ cannot be imported or lacks verl's tool methods, an invalid schema or none (an e
 `tool_schema` out when its class provides one, as verl allows), two tools with the same name,
 bad runner limits.
 
+Function tools (verl's `multi_turn.function_tool_path`: a Python file of `@function_tool` functions,
+`rollout.tools.function_tool`) join the YAML's tools in one registry (`from_config(..., function_tool_path=)`);
+a name used by both is refused, as in verl.
+
 Per-sample selection follows verl: a sample's `tools_kwargs` keys name the tools it may use
 (`select`); a sample without `tools_kwargs` gets every registered tool.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rollout.plugins import PluginConfigError, Registry, build, check_keys, check_runner, import_class, read_entries
+from rollout.plugins import (PluginConfigError, Registry, added_aliases, build, check_keys, check_runner, import_class,
+                             read_entries)
 from rollout.tools.runner import ToolRunner, provided_schema
 from rollout.tools.schemas import OpenAIFunctionToolSchema, ToolSchemaError
 
@@ -37,6 +43,18 @@ class ToolRegistry(Registry[ToolRunner]):
 
     kind = "tool"
     runner_cls = ToolRunner
+
+    @classmethod
+    def from_config(cls, source: str | Path | dict[str, Any] | None, aliases: Mapping[str, str] | None = None,
+                    function_tool_path: str | Path | None = None) -> ToolRegistry:
+        """The tools of a tool YAML (path or mapping; None: none) and of a function-tool file (None: none), the
+        YAML's first; `aliases` as in `Registry.from_config`."""
+        from rollout.tools.function_tool import load_function_tools
+
+        with added_aliases(aliases):
+            tools = cls.load(source) if source is not None else []
+            tools += load_function_tools(function_tool_path) if function_tool_path is not None else []
+        return cls(tools)
 
     @staticmethod
     def load(source: str | Path | dict[str, Any]) -> list[Any]:

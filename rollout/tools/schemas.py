@@ -20,7 +20,8 @@ Departs from verl:
   value out of bounds or a missing required argument is refused. A tool opts in to validation
   of the arguments as written, with no text/number coercion, with `config.strict_arguments: true`.
   In both modes an integral number for an integer field (`3.0`, an integer in JSON schema)
-  reaches the tool as an int, and NaN or an infinity (which Python's `json` reads) is no number.
+  reaches the tool as an int, and NaN or an infinity (which Python's `json` reads) is no number. OpenAPI's
+  `nullable: true` (function tools' `Optional[X]` parameters) lets null through.
 """
 
 from __future__ import annotations
@@ -45,8 +46,16 @@ def _json_number(_checker: Any, value: Any) -> bool:
     return isinstance(value, int) or math.isfinite(value)
 
 
-_ArgumentValidator = jsonschema.validators.extend(  # draft 2020-12, numbers as JSON has them
-    jsonschema.Draft202012Validator,
+def _type_or_nullable(validator: Any, types: Any, instance: Any, schema: dict[str, Any]) -> Any:
+    """JSON schema's `type`, with OpenAPI's `nullable: true` (what transformers' schemas give `Optional[X]`) letting
+    null through."""
+    if instance is None and schema.get("nullable") is True:
+        return
+    yield from jsonschema.Draft202012Validator.VALIDATORS["type"](validator, types, instance, schema)
+
+
+_ArgumentValidator = jsonschema.validators.extend(  # draft 2020-12, numbers as JSON has them, `nullable` honoured
+    jsonschema.Draft202012Validator, validators={"type": _type_or_nullable},
     type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("number", _json_number))
 
 

@@ -46,6 +46,15 @@ def make_batch(vocab: int, seed: int = 0, B: int = 8, S: int = 24, T: int = 12) 
     }
 
 
+
+def make_rl_batch(vocab: int, seed: int, B: int) -> dict[str, torch.Tensor]:
+    """`make_batch` with random old log-probs and advantages (B, T), drawn from seed + 1: a policy update's input."""
+    batch = make_batch(vocab, seed=seed, B=B)
+    g = torch.Generator().manual_seed(seed + 1)
+    batch["old_log_probs"] = -torch.rand(batch["responses"].shape, generator=g)
+    batch["advantages"] = torch.randn(batch["responses"].shape, generator=g)
+    return batch
+
 def hf_log_probs(model_dir: Path, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' own log-probs and entropy of the response tokens, (B, T) each, masked."""
     from transformers import AutoModelForCausalLM

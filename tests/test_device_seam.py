@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_actor import make_batch, masked_pg_loss
+from tests.test_actor import make_rl_batch, masked_pg_loss
 
 pytestmark = pytest.mark.unit
 
@@ -21,14 +21,6 @@ def _cfg(optim: bool, dtype: str = "float32"):
 
     return ActorConfig(optim=OptimConfig(lr=1e-3) if optim else None, ppo_micro_batch_size_per_gpu=3,
                        megatron=MegatronConfig(dtype=dtype))
-
-
-def _rl_batch(vocab: int) -> dict[str, torch.Tensor]:
-    batch = make_batch(vocab, seed=1, B=6)
-    g = torch.Generator().manual_seed(2)
-    batch["old_log_probs"] = -torch.rand(batch["responses"].shape, generator=g)
-    batch["advantages"] = torch.randn(batch["responses"].shape, generator=g)
-    return batch
 
 
 def _checked(runner, batch):
@@ -45,7 +37,7 @@ def test_actor_reference_logprobs_and_update_keep_the_seam(world_of_one, tiny_mo
     from megatron_workers.actor import MegatronActor
 
     actor = MegatronActor(tiny_model_dir, _cfg(optim=True, dtype=dtype))
-    batch = _rl_batch(actor.hf_config.vocab_size)
+    batch = make_rl_batch(actor.hf_config.vocab_size, seed=1, B=6)
     with _checked(actor, batch) as d:
         out = actor.compute_log_prob(batch, calculate_entropy=True)
         metrics = actor.update_policy(batch, masked_pg_loss)
@@ -65,7 +57,7 @@ def test_critic_and_sft_keep_the_seam(world_of_one, tiny_model_dir, monkeypatch)
     from megatron_workers.critic import MegatronCritic
 
     critic = MegatronCritic(tiny_model_dir, _cfg(optim=True))
-    batch = _rl_batch(critic.hf_config.vocab_size)
+    batch = make_rl_batch(critic.hf_config.vocab_size, seed=1, B=6)
     batch["returns"] = torch.randn(batch["responses"].shape)
 
     def value_loss(mb):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.test_actor import make_batch, masked_pg_loss, nan_loss
+from tests.test_actor import make_rl_batch, masked_pg_loss, nan_loss
 
 pytestmark = pytest.mark.unit
 
@@ -37,14 +37,6 @@ def actor(world_of_one, tiny_model_dir):
     return MegatronActor(tiny_model_dir, ActorConfig(optim=OptimConfig(lr=1e-3), ppo_micro_batch_size_per_gpu=4))
 
 
-def _batch(vocab: int) -> dict[str, torch.Tensor]:
-    batch = make_batch(vocab, seed=3, B=8)
-    g = torch.Generator().manual_seed(4)
-    batch["old_log_probs"] = -torch.rand(batch["responses"].shape, generator=g)
-    batch["advantages"] = torch.randn(batch["responses"].shape, generator=g)
-    return batch
-
-
 def test_one_host_read_per_optimizer_step(actor, monkeypatch):
     """Contract: two mini-batches, two optimizer steps: the finite check reads the device once in each, not once per
     parameter (the tiny model has many more parameters than that)."""
@@ -57,7 +49,7 @@ def test_one_host_read_per_optimizer_step(actor, monkeypatch):
         reads.append(mode.count)
 
     monkeypatch.setattr(type(actor), "_check_finite_grads", counted)
-    actor.update_policy(_batch(actor.hf_config.vocab_size), masked_pg_loss, num_mini_batches=2)
+    actor.update_policy(make_rl_batch(actor.hf_config.vocab_size, seed=3, B=8), masked_pg_loss, num_mini_batches=2)
     assert sum(1 for chunk in actor.model for _ in chunk.parameters()) > 2
     assert reads == [1, 1]
 
@@ -67,6 +59,6 @@ def test_non_finite_gradient_names_the_mini_batch_and_parameter(actor):
     weights are unchanged."""
     before = {n: p.detach().clone() for chunk in actor.model for n, p in chunk.named_parameters()}
     with pytest.raises(FloatingPointError, match=r"non-finite gradient in mini-batch 0 \(first in \S*(decoder|embedding)"):
-        actor.update_policy(_batch(actor.hf_config.vocab_size), nan_loss)
+        actor.update_policy(make_rl_batch(actor.hf_config.vocab_size, seed=3, B=8), nan_loss)
     after = dict((n, p) for chunk in actor.model for n, p in chunk.named_parameters())
     assert all(torch.equal(before[n], after[n]) for n in before)

@@ -35,10 +35,12 @@ for the loading (`Registry.from_config(..., aliases=)`: the recipe's tasks map v
 theirs); any other `verl.*` path imports from verl when it is installed, and otherwise fails naming
 the table.
 
-A user's plug-in module is imported as verl would import it (`prepare_user_imports`, before every load): without
-verl installed, its `from verl.tools.base_tool import BaseTool, ToolResponse` (and the other modules of the aliases
-in effect) gets polyturn's counterparts (`VerlStandIns`); and verl-recipe's paths (`recipe.<name>....`, its
-checkout on sys.path) import from the user's path although polyturn's own top-level package is also `recipe`.
+A user's plug-in module is imported as verl would import it: without verl installed, its
+`from verl.tools.base_tool import BaseTool, ToolResponse` (and the other modules of the aliases in effect) gets
+polyturn's counterparts (`VerlStandIns`, `prepare_user_imports`); and a dotted path whose top-level package is
+already imported from elsewhere is also looked up in the same-named directories on sys.path
+(`_import_module`): verl-recipe's `recipe.<name>....` (its checkout on sys.path) imports from the user's path
+although polyturn's own top-level package is also `recipe`, whose modules keep precedence.
 
 Tool methods get their `tools_kwargs` in the shape their signature asks for, read once at load
 (`kwargs_shape`): a method with `**kwargs` gets both the keys flat and the same dict under
@@ -156,13 +158,29 @@ _VERL_STAND_INS = VerlStandIns()
 
 
 def prepare_user_imports() -> None:
-    """Make a user's plug-in importable as verl would import it: verl's plug-in modules as `VerlStandIns` (last
-    on sys.meta_path; idempotent), and `recipe.<name>` paths polyturn's `recipe` lacks (verl-recipe's) found in the
-    `recipe` directories on sys.path now, after polyturn's own, which keeps precedence (`pkgutil.extend_path`)."""
+    """Make verl's plug-in modules importable without verl, as `VerlStandIns` (last on sys.meta_path, so a real
+    verl wins; idempotent)."""
     if _VERL_STAND_INS not in sys.meta_path:
         sys.meta_path.append(_VERL_STAND_INS)
-    recipe = importlib.import_module("recipe")
-    recipe.__path__ = pkgutil.extend_path(recipe.__path__, recipe.__name__)
+
+
+def _import_module(name: str) -> Any:
+    """`importlib.import_module(name)`; when a submodule is missing from an already imported top-level package
+    (verl-recipe's `recipe.<name>` vs polyturn's `recipe`), that package's path is extended once with the
+    same-named directories on sys.path now (`pkgutil.extend_path`, its own directory first) and the import tried
+    again."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        top = sys.modules.get(name.partition(".")[0])
+        path = getattr(top, "__path__", None)
+        if top is None or path is None or not (exc.name or "").startswith(top.__name__ + "."):
+            raise
+        extended = pkgutil.extend_path(list(path), top.__name__)
+        if extended == list(path):
+            raise
+        top.__path__ = extended
+        return importlib.import_module(name)
 
 
 def _verl_installed() -> bool:
@@ -190,7 +208,7 @@ def import_object(dotted: Any, where: str) -> Any:
             f"{sorted(aliases)}; use one of those, your own, or install verl")
     module_name, _, attr = dotted.rpartition(".")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_module(module_name)
     except ImportError as exc:
         raise PluginConfigError(
             f"{where}: cannot import module {module_name!r} ({exc}); check the path and that it is installed"

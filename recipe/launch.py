@@ -2,7 +2,7 @@
 
 `prepare(argv, entry)` reads an entry point's arguments (`PPO`: `python -m recipe.main_ppo`; `recipe.sft_config.SFT`:
 `python -m recipe.main_sft`) the way Hydra will, and decides for each override, by the entry's verl key table
-(`VERL_KEYS` here) and its schema's keys:
+(`recipe.verl_keys.VERL_KEYS`) and its schema's keys:
 
 - honoured: a polyturn key, or a verl key renamed onto its counterpart here
   (`rollout.log_prob_*` -> `actor.log_prob_*`, `actor.megatron.seed` -> `trainer.seed`), or a verl key
@@ -32,6 +32,7 @@ from typing import Any
 
 from recipe.config_build import ConfigError, dict_keys, flat_keys, register_schema
 from recipe.config_schema import PPOConfig
+from recipe.verl_keys import VERL_BATCH, VERL_KEYS, Rule
 
 logger = logging.getLogger(__name__)
 
@@ -40,22 +41,6 @@ PRESETS = tuple(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml") if p.stem != "s
 # Hydra's flags that take a value in the next argument, and those that stand alone (passed through).
 _FLAGS_WITH_VALUE = ("--config-name", "-cn", "--config-dir", "-cd", "--cfg", "-c", "--package", "-p")
 _FLAGS = ("--multirun", "-m", "--resolve", "--info", "-i", "--help", "-h", "--hydra-help")
-
-
-@dataclass(frozen=True)
-class Rule:
-    """What one verl key becomes. `accept`: the values polyturn honours as they are (None: any value);
-    `rename`: the polyturn key that takes the value; `warn`: a knob with no
-    effect here (dropped, listed in the start-up warning); `same_as`: the key is accepted when the composed config's
-    `same_as` key holds the same value (checked after composing); `why`: what happens here and the fix."""
-
-    why: str
-    accept: tuple | None = ()
-    rename: str | None = None
-    warn: bool = False
-    same_as: str | None = None
-    composed: bool = False
-    """Mapped once the config is composed (`Launch.verl_batch`, `fully_async_overrides`)."""
 
 
 @dataclass(frozen=True)
@@ -83,118 +68,11 @@ class Entry:
         return f"{self.default_preset}_schema"
 
 
-_LOG_PROB = ("log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu")
-# The reference's Megatron keys it cannot set on its own (its layout, actor_rollout_ref.ref.megatron.*_size, it can):
-# offload moves every role with the actor's flags, the reference has no gradients or optimizer, and the KL term
-# compares its log-probs with the actor's, which another dtype would round differently before any update.
-_REF_AS_ACTOR = {"param_offload": "every role is offloaded with the actor's flags",
-                 "grad_offload": "the reference has no gradients; every role is offloaded with the actor's flags",
-                 "optimizer_offload": "the reference has no optimizer; every role is offloaded with the actor's flags",
-                 "dtype": "the KL term compares the reference's log-probs with the actor's: same dtype",
-                 "sequence_parallel": "the reference runs the actor's model code"}
-
-_NO_CP = ("context parallelism is not supported: splitting a sequence over ranks needs TransformerEngine's attention "
-          "(Megatron's TE layer spec), and polyturn runs the local layer spec without TransformerEngine")
-# verl's fully async trainer (fully_async_main, --config-name fully_async_ppo_megatron_trainer): keys that become
-# polyturn's once the config is composed (`fully_async_overrides`), and its knobs that change nothing here.
+# verl's fully async trainer (fully_async_main, --config-name fully_async_ppo_megatron_trainer): its batch keys become
+# polyturn's once the config is composed (`fully_async_overrides`).
 FULLY_ASYNC_PRESET = "fully_async_ppo_megatron_trainer"
-_VERL_BATCH = ("async_training.require_batches", "rollout.total_rollout_steps")
 _ASYNC = "async_training.schedule"
 _BYPASS = "algorithm.rollout_correction.bypass_mode"
-_ASYNC_NO_EFFECT = {"use_trainer_do_validate": "validation runs in the trainer's process either way",
-                    "use_dynamic_resource_scheduling": "the engines keep their own pool (rollout.*)",
-                    "dynamic_schedule_policy": "verl's dynamic resource scheduling",
-                    "dynamic_schedule_deactivate_ratio": "verl's dynamic resource scheduling",
-                    "dynamic_schedule_enable_rebalance": "verl's dynamic resource scheduling"}
-# verl keys that are not polyturn keys, by dotted key or by a section with everything under it.
-VERL_KEYS: dict[str, Rule] = {
-    **{f"actor_rollout_ref.rollout.{k}": Rule(f"the actor's old-log-prob pass size: actor_rollout_ref.actor.{k}",
-                                              rename=f"actor_rollout_ref.actor.{k}") for k in _LOG_PROB},
-    "actor_rollout_ref.rollout.log_prob_micro_batch_size": Rule(
-        "give the per-GPU size actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu instead"),
-    "actor_rollout_ref.ref.log_prob_micro_batch_size": Rule(
-        "give the per-GPU size actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu instead"),
-    "actor_rollout_ref.actor.ppo_micro_batch_size": Rule(
-        "give the per-GPU size actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu instead"),
-    "critic.ppo_micro_batch_size": Rule("give the per-GPU size critic.ppo_micro_batch_size_per_gpu instead"),
-    "actor_rollout_ref.actor.megatron.seed": Rule(
-        "Megatron's RNG is seeded by trainer.seed (with the data order and sampling): set trainer.seed",
-        rename="trainer.seed"),
-    "actor_rollout_ref.actor.megatron.context_parallel_size": Rule(
-        f"{_NO_CP}; drop the key (or set 1) and use tensor_model_parallel_size", accept=(1,)),
-    **{f"actor_rollout_ref.ref.megatron.{k}": Rule(
-        f"{why}: it must equal actor_rollout_ref.actor.megatron.{k}; set that instead",
-        same_as=f"actor_rollout_ref.actor.megatron.{k}") for k, why in _REF_AS_ACTOR.items()},
-    "actor_rollout_ref.ref.megatron.context_parallel_size": Rule(f"{_NO_CP}; drop the key (or set 1)", accept=(1,)),
-    "actor_rollout_ref.ref.megatron.seed": Rule("the reference is seeded by trainer.seed", warn=True),
-    "actor_rollout_ref.actor.fsdp_config": Rule(
-        "an FSDP knob (polyturn trains with Megatron: actor_rollout_ref.actor.megatron.*)", warn=True),
-    "actor_rollout_ref.ref.fsdp_config": Rule(
-        "an FSDP knob (the reference uses actor_rollout_ref.ref.megatron.* and the actor's other Megatron settings)",
-        warn=True),
-    "critic.model.fsdp_config": Rule("an FSDP knob (the critic uses critic.megatron.*)", warn=True),
-    "actor_rollout_ref.model.use_remove_padding": Rule(
-        "sequences are always packed without padding here", accept=(True,), warn=True),
-    "critic.model.use_remove_padding": Rule("sequences are always packed without padding here", warn=True),
-    "critic.model.path": Rule(
-        "the critic is built from the policy's checkpoint: it must equal actor_rollout_ref.model.path; drop the key",
-        same_as="actor_rollout_ref.model.path"),
-    "actor_rollout_ref.actor.strategy": Rule("polyturn trains with Megatron only; drop the key", accept=("megatron",)),
-    "critic.strategy": Rule("polyturn trains with Megatron only; drop the key", accept=("megatron",)),
-    "actor_rollout_ref.rollout.mode": Rule(
-        "the rollout is always the async agent loop", accept=("async",), warn=True),
-    "actor_rollout_ref.rollout.multi_stage_wake_up": Rule("verl's engine wake-up staging", warn=True),
-    "actor_rollout_ref.rollout.enable_chunked_prefill": Rule("SGLang's default applies", warn=True),
-    "actor_rollout_ref.rollout.free_cache_engine": Rule("engines always release memory while Megatron trains",
-                                                        warn=True),
-    "actor_rollout_ref.rollout.trace": Rule("verl's rollout tracing (trainer.rollout_data_dir dumps trajectories)",
-                                            warn=True),
-    "actor_rollout_ref.rollout.agent": Rule(
-        "verl's agent-loop worker knobs (agent.default_agent_loop is honoured)", warn=True),
-    "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode": Rule(
-        "the engine's token ids are kept as sampled; no re-tokenization to check", warn=True),
-    "actor_rollout_ref.rollout.multi_turn.use_inference_chat_template": Rule(
-        "the model's own chat template is used", warn=True),
-    "global_profiler": Rule("verl's profiler", warn=True),
-    "actor_rollout_ref.actor.profiler": Rule("verl's profiler", warn=True),
-    "actor_rollout_ref.ref.profiler": Rule("verl's profiler", warn=True),
-    "actor_rollout_ref.rollout.profiler": Rule("verl's profiler", warn=True),
-    "critic.profiler": Rule("verl's profiler", warn=True),
-    "data.filter_overlong_prompts": Rule(
-        "prompts longer than data.max_prompt_length are always dropped at load (verl's filter_overlong_prompts=True); "
-        "drop the key", accept=(True,)),
-    "data.truncation": Rule(
-        "prompts are never truncated: longer ones than data.max_prompt_length are dropped at load; drop the key",
-        accept=("error",)),
-    "data.return_raw_chat": Rule("the agent loop always renders the raw chat messages itself; drop the key",
-                                 accept=(True,)),
-    "data.prompt_key": Rule("rows keep verl's `prompt` column; rename the column", accept=("prompt",)),
-    "reward_model.enable": Rule("a model reward is not supported (rewards: custom_reward_function.*, reward.*)",
-                                accept=(False,)),
-    "reward_model.reward_manager": Rule("rewards come from recipe.reward (verl's naive manager)",
-                                        accept=("naive",)),
-    "algorithm.rollout_correction.bypass_mode": Rule(
-        "old log-probs are always recomputed by the trainer (the decoupled mode); drop the key", accept=(False,)),
-    "algorithm.rollout_correction.use_policy_gradient": Rule(
-        "the policy loss is always PPO's clipped surrogate; drop the key", accept=(False,)),
-    "algorithm.rollout_correction.rollout_is_batch_normalize": Rule(
-        "IS weights are not renormalised to mean 1; drop the key", accept=(False,)),
-    "reward_model": Rule("a model reward is not supported: rewards come from custom_reward_function.* and reward.*; "
-                         "drop reward_model.*"),
-    **{k: Rule("verl's fully async trainer's batch key", composed=True) for k in _VERL_BATCH},
-    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": Rule(
-        "the weight sync's bucket size", rename="actor_rollout_ref.rollout.update_weights_bucket_megabytes"),
-    "actor_rollout_ref.rollout.checkpoint_engine.backend": Rule(
-        "the weight sync's path: actor_rollout_ref.rollout.update_weights_mode", warn=True),
-    **{f"async_training.{k}": Rule(why, warn=True) for k, why in _ASYNC_NO_EFFECT.items()},
-    "data.gen_batch_size": Rule("the rollouter streams prompt groups one by one (verl's fully async gen_batch_size=1)",
-                                accept=(1,), warn=True),
-    "actor_rollout_ref.rollout.calculate_log_probs": Rule(
-        "the engine's log-probs are always kept with each sampled token", accept=(True,), warn=True),
-    **{k: Rule("old log-probs are always recomputed by the trainer, and the engine's are used through "
-               "algorithm.rollout_correction.*; drop the key", accept=(False,))
-       for k in ("actor_rollout_ref.actor.use_rollout_log_probs", "async_training.use_rollout_log_probs")},
-}
 
 
 PPO = Entry(PPOConfig, "ppo_trainer", PRESETS, VERL_KEYS, "recipe.main_ppo",
@@ -205,13 +83,13 @@ PPO = Entry(PPOConfig, "ppo_trainer", PRESETS, VERL_KEYS, "recipe.main_ppo",
 
 
 def _rule(key: str, verl_keys: dict[str, Rule]) -> Rule | None:
-    """The rule for `key`, or for the nearest section above it."""
+    """The rule for `key`, or for the nearest section above it, or for its last name in any section (`*.<name>`)."""
     parts = key.split(".")
     for i in range(len(parts), 0, -1):
         rule = verl_keys.get(".".join(parts[:i]))
         if rule is not None:
             return rule
-    return None
+    return verl_keys.get(f"*.{parts[-1]}")
 
 
 @dataclass
@@ -324,9 +202,9 @@ def prepare(argv: list[str], entry: Entry | None = None) -> Launch:
             elif any(key.startswith(d + ".") for d in dicts):  # a field of a free-form mapping (reward_kwargs ...)
                 launch.overrides.append("++" + arg.lstrip("+"))
             else:
-                near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)
+                near = suggest(key, known)
                 keys_file = entry.schema.__module__.replace(".", "/") + ".py"
-                refused.append(f"unknown config key {key}" + (f"; did you mean {near[0]}?" if near else
+                refused.append(f"unknown config key {key}" + (f"; did you mean {near}?" if near else
                                                                 f"; see {keys_file} for the keys"))
         elif rule.rename:
             launch.overrides.append(f"{rule.rename}={arg.split('=', 1)[1]}")
@@ -345,6 +223,20 @@ def prepare(argv: list[str], entry: Entry | None = None) -> Launch:
         launch.warned.append(f"{_BYPASS} (verl's fully-async config defaults it to True, the engine's log-probs as the "
                              "old ones; here the trainer recomputes them, verl's False)")
     return launch
+
+
+def suggest(key: str, known: set[str]) -> str | None:
+    """The key a mistyped `key` means, or None rather than a guess: a key of the same section whose last name is a
+    near spelling of its own (difflib ratio >= 0.88, so `expert_model_parallel_size` is not taken for
+    `tensor_model_parallel_size`), else the same last name in a near-spelled section (ratio >= 0.8)."""
+    section, _, name = key.rpartition(".")
+    same = difflib.get_close_matches(name, sorted({k.rpartition(".")[2] for k in known
+                                                   if k.rpartition(".")[0] == section}), n=1, cutoff=0.88)
+    if same:
+        return f"{section}.{same[0]}" if section else same[0]
+    moved = difflib.get_close_matches(section, sorted({k.rpartition(".")[0] for k in known
+                                                       if k.rpartition(".")[2] == name}), n=1, cutoff=0.8)
+    return f"{moved[0]}.{name}" if moved else None
 
 
 def _normalize(key: str, value: Any, arg: str) -> str:
@@ -407,7 +299,7 @@ def fully_async_overrides(launch: Launch, config: dict[str, Any]) -> list[str]:
     refused = [f"{theirs} sets {ours} here (verl's fully async trainer); keep one of the two" for theirs, ours in
                (("async_training.require_batches", "data.train_batch_size"),
                 ("rollout.total_rollout_steps", "trainer.total_training_steps")) if theirs in given and ours in mine]
-    for key in _VERL_BATCH:
+    for key in VERL_BATCH:
         if key in given and (not isinstance(given[key], int) or isinstance(given[key], bool) or given[key] < 1):
             refused.append(f"{key}={given[key]}: a whole number >= 1")
     if refused:

@@ -31,6 +31,8 @@ _MULTIMODAL = no_effect("polyturn trains text-only models: image, video and audi
 _NO_RM = "a model reward is not supported (rewards: custom_reward_function.*, reward.*)"
 _NO_SANDBOX_SCORE = only("scoring code through sandbox fusion is not built: give your scorer as "
                          "custom_reward_function.path", None)
+
+
 def _rollout() -> dict[str, Rule]:
     """verl's `actor_rollout_ref.rollout.*` keys that polyturn's RolloutConfig (SGLang engines, agent loop) lacks."""
     r = ROLLOUT

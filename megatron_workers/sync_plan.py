@@ -1,8 +1,9 @@
 """The plain data the driver's weight sync (`recipe.weight_sync`) hands every actor rank (`weights.WeightSender`).
 
-Frozen dataclasses of ints, strings and Ray actor handles: no torch, no Megatron, so the driver imports them
-without either. `SyncPlan` is one sync's instructions; `GroupAddress` is where a stage's distributed-path sender
-hosts the process group the engines join.
+Frozen dataclasses of ints, strings and Ray actor handles: no torch, no Megatron, so the driver (and the placement
+plan, before Ray) imports them without either. `SyncPlan` is one sync's instructions; `Copy` is one engine TP rank's
+copy of one pipeline stage on the tensor path; `GroupAddress` is where a stage's distributed-path sender hosts the
+process group the engines join.
 """
 from __future__ import annotations
 
@@ -15,6 +16,20 @@ TRANSPORTS = ("tensor", "distributed", "none")
 
 
 @dataclass(frozen=True)
+class Copy:
+    """Tensor path: engine `engine`'s TP rank `tp_rank` gets pipeline stage `stage`'s buckets. Rank `filler` (of
+    that stage) fills them with its TP group; rank `serializer` (the one on the engine rank's GPU, in hybrid
+    placement) pickles their handles. When the two differ, the filler sends each flat bucket to the serializer
+    first (`megatron_workers.relay`), so no handle points to another GPU's memory."""
+
+    engine: int  # index into SyncPlan.engines
+    tp_rank: int
+    stage: int
+    filler: int  # global Megatron rank
+    serializer: int  # global Megatron rank
+
+
+@dataclass(frozen=True)
 class SyncPlan:
     """One sync, as every actor rank reads it (`MegatronActor.send_weights`)."""
 
@@ -24,8 +39,8 @@ class SyncPlan:
     dtype: str  # the engines' dtype name ("bfloat16"): tensors are cast to it on the way
     checksums: bool  # the ranks that ship return per-tensor [sum, abs_sum, sum_of_squares]
     engines: tuple[Any, ...] = ()  # engine actor handles (`EngineActor`), by engine index
-    serializers: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
-    """tensor: {global rank: ((engine index, engine TP rank), ...)}, the copies each serializing rank makes."""
+    copies: tuple[Copy, ...] = ()
+    """tensor: one `Copy` per (engine, engine TP rank, pipeline stage)."""
     groups: dict[int, str] = field(default_factory=dict)
     """distributed: {pipeline stage: process-group name}; a stage not listed sends nothing this call."""
 

@@ -26,19 +26,22 @@ next one, is not counted.
 
 Two live transports, chosen by the caller's `sync_plan.SyncPlan` (plain data in, plain metrics out):
 
-- tensor: each serializing rank pickles the bucket's tensors by handle (`serialize`: CUDA IPC handles
-  on GPUs; on CPU the shared-memory buffer's name, which each engine process maps once and keeps) once
-  per engine TP rank it serves, and calls that engine actor's `load_payload` method. The engine
-  loads a bucket once all its TP ranks' payloads arrived; the sender keeps the bucket alive
-  until then.
+- tensor: per `SyncPlan.copies`, each copy's filler fills its stage's buckets with its TP group, and
+  its serializer (the rank on the engine TP rank's GPU) pickles the bucket's tensors by handle
+  (`serialize`: CUDA IPC handles on GPUs; on CPU the shared-memory buffer's name, which each engine
+  process maps once and keeps) and calls that engine actor's `load_payload` method; a filler that is
+  not the serializer sends it the flat bucket first (`relay`: own buffers there, a fixed global order
+  of steps). The engine loads a bucket once all its TP ranks' payloads arrived; the serializer keeps
+  the bucket alive until then.
 - distributed: the stage's sender is rank 0 of a process group that every engine TP rank joins
   (SGLang's `init_custom_process_group` convention: a `PrefixStore(group_name, TCPStore)` given
   to `_new_process_group_helper`; engine i's ranks at offset 1 + sum of earlier engines' TP
   sizes). Per bucket the sender asks each engine to receive, then broadcasts the flat bucket.
 
 Engine actor handles arrive as plain data (`SyncPlan.engines`) and their Ray methods `load_payload` and
-`update_weights_from_distributed` are called; this module imports nothing from rollout or SGLang. Where it departs from verl/slime: no rank ever holds the whole
-model, and pipeline stages sync in parallel instead of through a PP broadcast.
+`update_weights_from_distributed` are called; this module imports nothing from rollout or SGLang. Where it
+departs from verl/slime: no rank ever holds the whole model, and pipeline stages sync in parallel instead of
+through a PP broadcast (on the tensor path, point-to-point to the serializers that need them).
 """
 from __future__ import annotations
 
@@ -136,12 +139,13 @@ class BucketBuffers:
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[str, int], torch.Tensor] = {}  # (device, k % 2) -> (capacity,) uint8
+        self._buffers: dict[tuple[str, int, int], torch.Tensor] = {}  # (device, stream, k % 2) -> (capacity,) uint8
 
-    def take(self, index: int, sizes: list[int], device: torch.device) -> torch.Tensor:
+    def take(self, index: int, sizes: list[int], device: torch.device, stream: int = -1) -> torch.Tensor:
         """Bucket `index`'s buffer: the first `sizes[index]` bytes of buffer `index % 2` on `device` (no copy);
-        `sizes`: every bucket's bytes, in order."""
-        key, capacity = (str(device), index % 2), max(sizes[index % 2::2])
+        `sizes`: every bucket's bytes, in order; `stream`: -1 for this rank's own buckets, a filler's rank for the
+        buckets relayed from it (`relay.Relay`)."""
+        key, capacity = (str(device), stream, index % 2), max(sizes[index % 2::2])
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < capacity:
             buf = self._buffers[key] = shared_buffer(capacity, device)
@@ -153,7 +157,7 @@ class BucketBuffers:
         parities = range(min(2, len(sizes)))
         for k in parities:
             self.take(k, sizes, device)
-        return [self._buffers[(str(device), k)] for k in parities]
+        return [self._buffers[(str(device), -1, k)] for k in parities]
 
     def release_device(self) -> None:
         """Forget the buffers that are not in host memory and hand their memory back to the GPU (the engines' KV
@@ -210,16 +214,22 @@ def fill_buckets_in_place(place: Callable[[dict[str, torch.Tensor]], None], plan
     releases it."""
     for index, planned in enumerate(plan):
         dist.barrier(group=group)
-        flat, views, slots, off = buffers[index % 2], {}, [], 0
-        for name, meta in planned:
-            n = tensor_bytes(meta)
-            views[name] = flat[off:off + n].view(meta.dtype).view(meta.shape)
-            slots.append((name, str(meta.dtype).removeprefix("torch."), tuple(meta.shape), off))
-            off += n
-        place(views)
+        flat, slots = buffers[index % 2], planned_slots(planned)
+        off = sum(tensor_bytes(meta) for _, meta in planned)
+        bucket = Bucket(index, flat[:off], slots)
+        place(dict(bucket.named_tensors()))
         dist.barrier(group=group)
         meter.add(off)
-        yield Bucket(index, flat[:off], slots)
+        yield bucket
+
+
+def planned_slots(planned: list[NamedTensor]) -> list[Slot]:
+    """The slots of one planned bucket (`bucket_by_bytes` on meta tensors): its tensors back to back, unpadded."""
+    slots, off = [], 0
+    for name, meta in planned:
+        slots.append((name, str(meta.dtype).removeprefix("torch."), tuple(meta.shape), off))
+        off += tensor_bytes(meta)
+    return slots
 
 
 def init_sender_group(master_address: str, master_port: int, world_size: int, group_name: str,
@@ -303,6 +313,28 @@ def send_stage(buckets: Iterator[Bucket], meter: MemoryMeter, *, ship, checksums
             "peak_extra_bytes": float(meter.peak), "stats": stats}
 
 
+def stage_bucket_plan(hf_config: Any, stage: int, vpp: int, plan: SyncPlan) -> list[list[NamedTensor]]:
+    """Pipeline stage `stage`'s buckets under `plan` (`bucket_by_bytes` on meta tensors of the engine dtype), the
+    same on every rank that asks (`vpp`: model chunks per stage)."""
+    from megatron.core import parallel_state as mpu
+
+    from megatron_workers.adapters import stage_hf_tensor_shapes
+
+    dtype = getattr(torch, plan.dtype)
+    shapes = stage_hf_tensor_shapes(hf_config, stage, mpu.get_pipeline_model_parallel_world_size(), vpp)
+    return list(bucket_by_bytes([(n, torch.empty(s, dtype=dtype, device="meta")) for n, s in shapes.items()],
+                                plan.bucket_bytes))
+
+
+def _relayed(out: dict[str, Any] | None, relay: Any, seconds: float, peak: int) -> dict[str, Any] | None:
+    """`out` with the bytes this rank received as a relay (`relayed_bytes`) and the peak that counts them, or, on a
+    rank that only relayed, the metrics of that alone (no bytes of its own, so none counted twice)."""
+    if relay is None or (out is None and not relay.relayed):
+        return out
+    return {"bytes": 0.0, "buckets": 0.0, "stats": {}, **(out or {}), "seconds": seconds,
+            "peak_extra_bytes": float(peak), "relayed_bytes": float(relay.relayed)}
+
+
 def _ship_nothing(b: Bucket) -> None:
     """Ship nothing: checksums only, or a rank that only helps fill (or gather to) the senders' buckets."""
 
@@ -323,10 +355,10 @@ def tensor_stats(t: torch.Tensor, chunk: int = 1 << 20) -> list[float]:
 class WeightSender:
     """One Megatron rank's side of weight sync (held by the actor role, driven by `recipe.weight_sync`).
 
-    Tensor path: the ranks `plan.serializers` names export, each for the engine TP ranks on its own GPU, so every
-    data-parallel replica that shares GPUs with an engine takes part; a replica's stage whose ranks serialize
-    nothing skips the sync. Other paths: data-parallel replica 0 exports. In each pipeline stage the TP ranks
-    fill the buckets of the rank(s) that send them, in place or by gather (module docstring); engine handles come in
+    Tensor path: the ranks whose TP group holds a filler of `plan.copies` export (every data-parallel replica that
+    shares GPUs with an engine takes part), and every rank ships and relays in one global order (`relay.Relay`).
+    Other paths: data-parallel replica 0 exports. In each pipeline stage the TP ranks fill the buckets of the rank(s)
+    that send them, in place or by gather (module docstring); engine handles come in
     `plan.engines`.
     """
 
@@ -335,6 +367,7 @@ class WeightSender:
         self._buffers = BucketBuffers()  # kept across syncs (host memory)
         self._peer_mappings = SharedMappings()  # of the sender's buffers, on its TP peers (in-place fill)
         self._same_host: bool | None = None  # every TP rank of this stage on this host (asked on the first sync)
+        self._relay_group: dist.ProcessGroup | None = None  # tensor path: the relay's point-to-point traffic
 
     @staticmethod
     def _position() -> tuple[int, int, int]:
@@ -371,31 +404,29 @@ class WeightSender:
     def send(self, chunks: list[torch.nn.Module], hf_config: Any, plan: SyncPlan) -> dict[str, Any] | None:
         """Export this stage's tensors (of all its model chunks) and ship them by `plan.transport` (see `SyncPlan`).
 
-        Returns metrics (seconds, bytes, buckets, peak_extra_bytes, stats) on ranks that received tensors, None
-        elsewhere.
+        Returns metrics (seconds, bytes, buckets, peak_extra_bytes, stats; relayed_bytes on the tensor path) on ranks
+        that received tensors, or relayed some, None elsewhere.
         """
         from megatron.core import parallel_state as mpu
 
-        from megatron_workers.adapters import iter_stage_hf_tensors, place_stage_shards, stage_hf_tensor_shapes
+        from megatron_workers.adapters import iter_stage_hf_tensors, place_stage_shards
 
         tp_rank, stage, dp_rank = self._position()
         tp_group = mpu.get_tensor_model_parallel_group()
-        if plan.transport == "tensor":
+        meter = MemoryMeter()
+        relay = self._relay(chunks, hf_config, plan, meter) if plan.transport == "tensor" else None
+        if relay is not None:
             peers = dist.get_process_group_ranks(tp_group)  # this stage's TP group
-            senders = [peers.index(g) for g in peers if g in plan.serializers]  # TP positions that serialize
-            if not senders:
-                return None  # no engine TP rank sits on this replica's GPUs for this stage
-            mine = plan.serializers.get(dist.get_rank(), ())
+            senders = [peers.index(g) for g in peers if g in relay.fillers]  # TP positions that fill
         elif dp_rank or (plan.transport == "distributed" and stage not in plan.groups):  # a stage at a time
             return None
         else:
-            mine, senders = (), [0]
+            senders = [0]
         dtype = getattr(torch, plan.dtype)
-        shapes = stage_hf_tensor_shapes(hf_config, stage, mpu.get_pipeline_model_parallel_world_size(), len(chunks))
-        metas = [(n, torch.empty(s, dtype=dtype, device="meta")) for n, s in shapes.items()]
-        buckets = list(bucket_by_bytes(metas, plan.bucket_bytes))
-        meter = MemoryMeter()
-        if len(senders) == 1 and self._fills_in_place(chunks, tp_group):  # all write their shards into its buckets
+        buckets = stage_bucket_plan(hf_config, stage, len(chunks), plan)
+        if not senders:  # this replica's stage fills no copy; this rank may still relay other stages' buckets
+            receives, filled = False, iter(())
+        elif len(senders) == 1 and self._fills_in_place(chunks, tp_group):  # all write their shards into its buckets
             receives = is_owner = tp_rank == senders[0]
             if is_owner:
                 sizes = [sum(tensor_bytes(t) for _, t in planned) for planned in buckets]
@@ -411,25 +442,38 @@ class WeightSender:
             receives = dst is None or tp_rank == dst
             tensors = iter_stage_hf_tensors(chunks, hf_config, dst_tp_rank=dst, dtype=dtype)
             filled = stream_buckets(tensors, buckets if receives else [], meter, self._buffers)
-        ship = self._shipper(plan, stage, mine) if receives else _ship_nothing
+        # the tensor path ships in the relay's global order on every rank, also on one that only helps fill
+        ship = relay.ship if relay is not None else self._shipper(plan, stage) if receives else _ship_nothing
         try:
             out = send_stage(filled, meter, ship=ship, checksums=receives and plan.checksums)
+            if relay is not None:
+                relay.finish()
         finally:
             self._buffers.release_device()
-        return out if receives and out["bytes"] else None
+        return _relayed(out if receives and out["bytes"] else None, relay, out["seconds"], meter.peak)
 
-    def _shipper(self, plan: SyncPlan, stage: int, mine: tuple[tuple[int, int], ...]) -> Callable[[Bucket], None]:
-        """How this rank ships one bucket of `stage` under `plan` (`mine`: the tensor path's copies it makes)."""
+    def _relay(self, chunks: list[torch.nn.Module], hf_config: Any, plan: SyncPlan, meter: MemoryMeter) -> Any:
+        """This rank's `relay.Relay` for a tensor-path sync; makes the relay's process group on the first sync that
+        relays (a collective of every rank: each calls `send`)."""
+        from megatron.core import parallel_state as mpu
+
+        from megatron_workers.relay import Relay
+
+        if self._relay_group is None and any(c.filler != c.serializer for c in plan.copies):
+            self._relay_group = dist.new_group(list(range(dist.get_world_size())))
+            dist.barrier(group=self._relay_group)  # NCCL: the group's first call must involve every rank
+        me, stage = dist.get_rank(), mpu.get_pipeline_model_parallel_rank()
+        plans = {c.stage: stage_bucket_plan(hf_config, c.stage, len(chunks), plan)
+                 for c in plan.copies if c.serializer == me != c.filler}
+        return Relay(me, stage, plan, self._relay_group, plans, self._buffers, next(chunks[0].parameters()).device,
+                     meter)
+
+    def _shipper(self, plan: SyncPlan, stage: int) -> Callable[[Bucket], None]:
+        """How this rank ships one bucket of `stage` under `plan`, off the tensor path (`relay.Relay` ships that)."""
         import ray
 
         if plan.transport == "none":  # checksums only
             return _ship_nothing
-        if plan.transport == "tensor":
-            def ship(b: Bucket) -> None:
-                named = b.named_tensors()
-                key = f"{plan.key}/stage{stage}/bucket{b.index}"
-                ray.get([plan.engines[i].load_payload.remote(key, r, serialize(named)) for i, r in mine])
-            return ship
         name = plan.groups[stage]
         pg = self._groups[name]
 

@@ -145,7 +145,7 @@ def build_workers(cfg: PPOConfig, model_path: str, plan: PlacementPlan) -> Worke
     mode = r.update_weights_mode or ("tensor" if plan.hybrid else "distributed")
     weight_sync = WeightSync(
         actor, engines, mode=mode, bucket_bytes=r.update_weights_bucket_megabytes << 20, engine_dtype=r.dtype,
-        check=r.check_weights, tensor_senders=plan.tensor_senders if mode == "tensor" else None,
+        check=r.check_weights, tensor_copies=plan.tensor_copies if mode == "tensor" else None,
         disk_dir=str(Path(cfg.trainer.default_local_dir) / "weight_sync"))
     # Engines and ranks take turns on GPU memory only where there is some: on a cluster without GPUs
     # there is nothing to hand over (and SGLang 0.5.23's release ends in torch.cuda.synchronize()).

@@ -10,11 +10,14 @@ into pools of one bundle per GPU, packed per node, and assigns them:
 - `hybrid` (`actor_rollout_ref.hybrid_engine=true`, the default, as in verl): engine `i` with TP
   size `T` uses its node's GPUs `i*T .. i*T+T-1` of the trainer pool (SGLang `base_gpu_id`), so
   there are `trainer GPUs / T` engines, colocated with the Megatron ranks. Weight sync hands
-  tensors over on the GPU: `tensor_senders[i][r][s]` is the Megatron rank that serializes pipeline
-  stage `s`'s weights for engine `i`'s TP rank `r`: the rank on that very GPU when it holds stage
-  `s` (always with PP=1), else the stage's rank on the same node with the same TP position and the
-  nearest GPU (the stage lives on other GPUs; its TP group gathers there). So every data-parallel
-  replica serializes for the engines on its own GPUs, and no CUDA IPC handle crosses GPUs at PP=1.
+  tensors over on the GPU (`tensor_copies`, one `sync_plan.Copy` per engine i, engine TP rank r and
+  pipeline stage s): the *serializer* is always the Megatron rank on engine rank r's own GPU, so no
+  CUDA IPC handle ever crosses GPUs; the *filler* is the rank of stage s that fills the buckets: the
+  serializer itself when it holds stage s (always with PP=1), else stage s's rank with the same TP
+  position, on the same node when there is one, nearest the serializer's own data-parallel replica
+  (so the replicas share the work). A filler that is not the serializer sends it each bucket over
+  torch.distributed (`megatron_workers.relay`), within a node or between nodes: a plan whose stages
+  lie on other nodes than an engine (2 nodes, PP=2) runs too.
 - `separate` (`hybrid_engine=false`): the engines get their own pool, `rollout GPUs / T` of them.
 
 Errors name the config key and the fix. `Placement(plan)` makes the plan real on the Ray cluster
@@ -39,6 +42,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_workers.sync_plan import Copy
 from recipe.config_schema import ConfigError, PPOConfig
 
 logger = logging.getLogger(__name__)
@@ -102,29 +106,21 @@ class PlacementPlan:
         return Bundle(TRAINER, rank // g, rank % g)
 
     @property
-    def tensor_senders(self) -> list[list[list[int]]] | None:
-        """Hybrid: `[i][r][s]` = the Megatron rank serializing stage s for engine i's TP rank r (see the module
+    def tensor_copies(self) -> tuple[Copy, ...] | None:
+        """Hybrid: who fills and who serializes each engine TP rank's copy of each pipeline stage (see the module
         docstring); separate: None."""
         if not self.hybrid:
             return None
         g = self.pools[TRAINER].gpus_per_node
         per_stage = self.world_size // self.pp  # ranks of one pipeline stage: tp x dp
 
-        def sender(gpu: int, stage: int) -> int:  # `gpu`: a global GPU index = the rank placed on it
-            if gpu // per_stage == stage:
-                return gpu
-            node = gpu // g
-            same = [k for k in range(stage * per_stage, (stage + 1) * per_stage)
-                    if k // g == node and k % self.tp == gpu % self.tp]
-            if not same:
-                raise ConfigError(
-                    f"pipeline stage {stage} has no rank on node {node}, where an engine runs, so its weights cannot be "
-                    "handed over on the GPU; set actor_rollout_ref.rollout.update_weights_mode=distributed, or a "
-                    "smaller actor_rollout_ref.actor.megatron.pipeline_model_parallel_size")
-            return min(same, key=lambda k: abs(k - gpu))
+        def filler(gpu: int, stage: int) -> int:  # `gpu`: a global GPU index = the rank placed on it
+            replica = stage * per_stage + gpu % per_stage  # stage's rank in gpu's DP replica, same TP position
+            same_tp = [k for k in range(stage * per_stage, (stage + 1) * per_stage) if k % self.tp == gpu % self.tp]
+            return min(same_tp, key=lambda k: (k // g != gpu // g, abs(k - replica)))
 
-        return [[[sender(e.bundle.node * g + e.base_gpu_id + r, s) for s in range(self.pp)] for r in range(e.tp)]
-                for e in self.engines]
+        return tuple(Copy(i, r, s, filler(gpu, s), gpu) for i, e in enumerate(self.engines) for r in range(e.tp)
+                     for gpu in [e.bundle.node * g + e.base_gpu_id + r] for s in range(self.pp))
 
     def describe(self) -> str:
         pools = ", ".join(f"{name} {p.nnodes}x{p.gpus_per_node} ({p.occupants} per GPU)" for name, p in self.pools.items())
@@ -165,8 +161,6 @@ def plan_placement(cfg: PPOConfig) -> PlacementPlan:
     m = cfg.actor_rollout_ref.actor.megatron
     plan = PlacementPlan(hybrid, pools, roles, world, engines, m.tensor_model_parallel_size,
                          m.pipeline_model_parallel_size)
-    if hybrid and rollout.update_weights_mode in (None, "tensor"):
-        plan.tensor_senders  # noqa: B018 - raises ConfigError, before Ray, when a stage cannot reach an engine's node
     logger.info("placement: %s", plan.describe())
     return plan
 

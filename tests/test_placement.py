@@ -50,25 +50,54 @@ def test_hybrid_plan_colocates_every_role_and_engine_on_the_node(data_file):
     assert plan.hybrid and plan.roles == ("actor", "ref", "critic") and plan.world_size == 8
     assert list(plan.pools) == [TRAINER] and plan.pools[TRAINER].occupants == 4  # 3 roles + 1 engine per GPU
     assert [(e.bundle.node, e.base_gpu_id, e.tp) for e in plan.engines] == [(0, 0, 2), (0, 2, 2), (0, 4, 2), (0, 6, 2)]
-    # tensor_senders[i][r] = [stage-0 rank, stage-1 rank]: stage 0 holds GPUs 0-3, stage 1 GPUs 4-7
-    assert plan.tensor_senders == [[[0, 4], [1, 5]], [[2, 4], [3, 5]], [[2, 4], [3, 5]], [[2, 6], [3, 7]]]
+    # (engine, TP rank) -> [(stage, filler, serializer)]: stage 0 holds GPUs 0-3, stage 1 GPUs 4-7; the serializer is
+    # the rank on the engine rank's GPU, the other stage's filler the same TP position in its own DP replica
+    copies = {}
+    for c in plan.tensor_copies:
+        copies.setdefault((c.engine, c.tp_rank), []).append((c.stage, c.filler, c.serializer))
+    assert copies == {(0, 0): [(0, 0, 0), (1, 4, 0)], (0, 1): [(0, 1, 1), (1, 5, 1)],
+                      (1, 0): [(0, 2, 2), (1, 6, 2)], (1, 1): [(0, 3, 3), (1, 7, 3)],
+                      (2, 0): [(0, 0, 4), (1, 4, 4)], (2, 1): [(0, 1, 5), (1, 5, 5)],
+                      (3, 0): [(0, 2, 6), (1, 6, 6)], (3, 1): [(0, 3, 7), (1, 7, 7)]}
     assert [plan.rank_bundle(r).gpu for r in range(8)] == list(range(8))
 
 
+def assert_handed_over_on_own_gpus(plan) -> int:
+    """Every (engine, engine TP rank, stage) has exactly one copy, serialized by the rank on that engine rank's own
+    GPU and filled by a rank of that stage with the same TP position (on the same node when the stage has one there);
+    returns how many copies are relayed (filler != serializer)."""
+    per_stage = plan.world_size // plan.pp
+    want = sorted((i, r, s) for i, e in enumerate(plan.engines) for r in range(e.tp) for s in range(plan.pp))
+    assert sorted((c.engine, c.tp_rank, c.stage) for c in plan.tensor_copies) == want
+    for c in plan.tensor_copies:
+        engine = plan.engines[c.engine]
+        assert plan.rank_bundle(c.serializer) == type(engine.bundle)(TRAINER, engine.bundle.node,
+                                                                      engine.base_gpu_id + c.tp_rank)
+        assert c.filler // per_stage == c.stage and c.filler % plan.tp == c.serializer % plan.tp
+        node_ranks = [k for k in range(c.stage * per_stage, (c.stage + 1) * per_stage)
+                      if plan.rank_bundle(k).node == engine.bundle.node]
+        assert (plan.rank_bundle(c.filler).node == engine.bundle.node) == bool(node_ranks)
+    return sum(c.filler != c.serializer for c in plan.tensor_copies)
+
+
 @pytest.mark.unit
-def test_each_engine_rank_gets_its_weights_from_the_rank_on_its_own_gpu(data_file):
-    """Contract (hybrid, fake 8-GPU node, actor TP2 x DP4, engines at TP2): the payload of engine i's TP rank r is
-    serialized by the Megatron rank on that same GPU, so every DP replica serves the engine on its own GPUs and no
-    CUDA IPC handle crosses GPUs; with PP=2 a stage not on the engine's GPU comes from the same node, same TP
-    position; a stage with no rank on the engine's node is refused before Ray, naming the key."""
-    plan = plan_placement(config(data_file, VERL_LIKE[:2] + VERL_LIKE[3:] + GRPO_KL))  # PP=1
-    for i, engine in enumerate(plan.engines):
-        for r in range(engine.tp):
-            (sender,) = plan.tensor_senders[i][r]
-            assert plan.rank_bundle(sender) == type(engine.bundle)(TRAINER, engine.bundle.node, engine.base_gpu_id + r)
-    assert plan.tensor_senders == [[[0], [1]], [[2], [3]], [[4], [5]], [[6], [7]]]
-    with pytest.raises(ConfigError, match="update_weights_mode=distributed"):
-        plan_placement(config(data_file, VERL_LIKE + GRPO_KL + ["trainer.nnodes=2", "trainer.n_gpus_per_node=4"]))
+def test_each_engine_rank_gets_its_weights_serialized_on_its_own_gpu(data_file):
+    """Contract (hybrid, actor TP2, engines at TP2): the payload of engine i's TP rank r for every pipeline stage is
+    serialized by the Megatron rank on that same GPU, so no CUDA IPC handle crosses GPUs, and every (engine, TP rank,
+    stage) is covered exactly once. At PP=1 that rank also fills it (every DP replica serves the engine on its own
+    GPUs); at PP=2 the other stage is filled by a rank of that stage and relayed to it, from the same node on one
+    8-GPU node and from the other node on 2 nodes x 4 GPUs, which runs instead of being refused."""
+    pp1 = plan_placement(config(data_file, VERL_LIKE[:2] + VERL_LIKE[3:] + GRPO_KL))
+    assert assert_handed_over_on_own_gpus(pp1) == 0
+    assert [(c.filler, c.serializer) for c in pp1.tensor_copies] == [(g, g) for g in range(8)]
+    one_node = plan_placement(config(data_file, VERL_LIKE + GRPO_KL))
+    assert assert_handed_over_on_own_gpus(one_node) == 8  # each engine rank's other stage
+    two_nodes = plan_placement(config(data_file, VERL_LIKE + GRPO_KL + ["trainer.nnodes=2",
+                                                                        "trainer.n_gpus_per_node=4"]))
+    assert assert_handed_over_on_own_gpus(two_nodes) == 8
+    # stage 0 lies on node 0, stage 1 on node 1: engine 0 (GPUs 0-1 of node 0) gets stage 1 from ranks 4, 5
+    assert [(c.stage, c.filler, c.serializer) for c in two_nodes.tensor_copies if c.engine == 0] == [
+        (0, 0, 0), (1, 4, 0), (0, 1, 1), (1, 5, 1)]
 
 
 @pytest.mark.unit
@@ -81,12 +110,13 @@ def test_two_node_plans_place_by_node(data_file):
     assert [(e.bundle.node, e.base_gpu_id) for e in plan.engines] == [(0, 0), (0, 2), (1, 0), (1, 2)]
     pp1 = plan_placement(config(data_file, VERL_LIKE[:2] + VERL_LIKE[3:] + GRPO_KL + [
         "trainer.nnodes=2", "trainer.n_gpus_per_node=4"]))
-    assert pp1.tensor_senders == [[[0], [1]], [[2], [3]], [[4], [5]], [[6], [7]]]
+    assert [(c.engine, c.tp_rank, c.filler, c.serializer) for c in pp1.tensor_copies] == [
+        (i, r, 2 * i + r, 2 * i + r) for i in range(4) for r in range(2)]
     sep = plan_placement(config(data_file, VERL_LIKE + GRPO_KL + [
         "actor_rollout_ref.hybrid_engine=false", "rollout.nnodes=1", "rollout.n_gpus_per_node=4"]))
     assert not sep.hybrid and sep.pools[TRAINER].occupants == 2 and sep.pools["rollout"].occupants == 1
     assert [(e.bundle.pool, e.base_gpu_id) for e in sep.engines] == [("rollout", 0), ("rollout", 2)]
-    assert sep.tensor_senders is None
+    assert sep.tensor_copies is None
 
 
 @pytest.mark.unit
@@ -182,8 +212,9 @@ def test_fake_8_gpu_node_schedules_every_role_at_once(fake_gpu_node, data_file):
         assert [s["gpu_ids"] for s in seen] == [[e.base_gpu_id] for e in plan.engines]
         actor_gpus = [s["gpu_ids"] for s in ray.get([h.where.remote() for h in ranks["actor"]])]
         for i, e in enumerate(plan.engines):  # the weight-sync serializer shares the GPU of the engine rank it feeds
-            for r in range(e.tp):
-                assert [actor_gpus[g] for g in plan.tensor_senders[i][r]].count([e.base_gpu_id + r]) == 1
+            for c in plan.tensor_copies:
+                if c.engine == i:
+                    assert actor_gpus[c.serializer] == [e.base_gpu_id + c.tp_rank]
         assert all(s["cuda_visible"] is None for s in seen)
         assert all(t["state"] == "CREATED" for t in ray.util.placement_group_table().values()
                    if t["state"] != "REMOVED")

@@ -2,7 +2,8 @@
 
 Contracts: after a PPO update, a sync by the tensor path and, separately, by the distributed path
 makes an engine at TP=2 serve exactly the exported HF weights (greedy ids equal transformers', log-probs
-within 1e-3), where before the sync it did not; several engines end on the same version; the
+within 1e-3), where before the sync it did not, also when each engine TP rank's payloads are serialized by the
+rank on its own GPU and the other pipeline stage's buckets are relayed there; several engines end on the same version; the
 check finds a corrupted or stale tensor and names it. The sender's bucket pipeline keeps at most two
 buckets alive. One Ray cluster, one Megatron group and at most two engine processes' worth of
 engines (a TP=2 engine counts double) alive at a time, shared through module fixtures.
@@ -260,7 +261,8 @@ def test_each_path_connects_once_and_syncs_by_typed_calls(mode, tmp_path):
         assert len(joins) == 4 and [m for m, _ in calls].count("init_weight_sync_groups") == 1
     elif mode == "tensor":
         assert len(plans) == 2 and {p.transport for p in plans} == {"tensor"} and not joins
-        assert plans[0].serializers == {0: ((0, 0), (1, 0)), 2: ((0, 0), (1, 0))}  # each stage's first rank
+        assert [(c.engine, c.stage, c.filler, c.serializer) for c in plans[0].copies] == [  # each stage's first rank
+            (0, 0, 0, 0), (0, 1, 2, 2), (1, 0, 0, 0), (1, 1, 2, 2)]
     else:
         assert plans == [] and [p for m, p in calls if m == "export_hf"] == [str(tmp_path)] * 2
         assert [m for m, _ in calls if m.endswith("update_weights_from_disk")] == ["e0.update_weights_from_disk",
@@ -421,6 +423,55 @@ def test_sync_after_ppo_update_engine_tp2_serves_exported_weights(mode, actor_gr
     assert sync.expected != first and engine.weight_version == 8
 
 
+@pytest.mark.integration
+def test_tensor_sync_relays_the_other_stage_to_the_rank_on_each_engine_ranks_gpu(actor_group, engines, tiny_model_dir,
+                                                                                tmp_path):
+    """Contract (hybrid, PP=2): with the placement plan's copies (engine TP rank r's payloads serialized by the rank
+    on its GPU, the other stage's buckets filled by that stage's rank and relayed to it point-to-point), an engine at
+    TP=2 ends the sync serving exactly the exported weights (greedy ids and log-probs as transformers'; checked). A
+    layout where two ranks each fill their own stage and relay it to the other at once (engine TP ranks on the GPUs
+    of ranks 0 and 2, one per stage) lands too, with no deadlock, after a second update."""
+    import math
+
+    from transformers import AutoConfig
+
+    from megatron_workers.adapters import stage_hf_tensor_shapes
+    from megatron_workers.sync_plan import Copy
+    from recipe.placement import TRAINER, Bundle, EnginePlacement, PlacementPlan, Pool
+    from recipe.weight_sync import WeightSync
+    from tests.test_actor import ppo_batch, update
+
+    (engine,) = engines((2,))
+    _trained_actor(actor_group, tiny_model_dir, seed=7)
+    exported = tmp_path / "exported"
+    actor_group.call_all("export_hf", str(exported))
+    reference = _hf_greedy_all(exported)
+    assert not _matches(_engine_greedy(engine), reference), "the engine already served the trained weights"
+
+    # the hybrid plan of this TP2 x PP2 actor on one 4-GPU node with engines at TP2; engine 0 is this one
+    plan = PlacementPlan(True, {TRAINER: Pool(1, 4, 2)}, ("actor",), 4, tuple(
+        EnginePlacement(Bundle(TRAINER, 0, gpu), 2) for gpu in (0, 2)), tp=2, pp=2)
+    copies = tuple(c for c in plan.tensor_copies if c.engine == 0)
+    assert [(c.stage, c.filler, c.serializer) for c in copies] == [(0, 0, 0), (1, 2, 0), (0, 1, 1), (1, 3, 1)]
+    sync = WeightSync(actor_group, [engine], mode="tensor", bucket_bytes=1 << 18, engine_dtype="float32", check=True,
+                      tensor_copies=copies)
+    metrics = sync.sync(version=7)
+    assert _matches(_engine_greedy(engine), reference) and engine.weight_version == 7
+    shapes = stage_hf_tensor_shapes(AutoConfig.from_pretrained(tiny_model_dir), 1, 2)
+    stage1 = 4 * sum(math.prod(shape) for shape in shapes.values())  # float32 bytes of stage 1's tensors
+    assert metrics["weight_sync/relayed_bytes"] == 2 * stage1 > 0  # stage 1, once to each engine TP rank's GPU
+    first = sync.expected
+
+    update(actor_group, ppo_batch(tiny_model_dir, seed=11), mini_batch_size=8)
+    crossed = (Copy(0, 0, 0, 0, 0), Copy(0, 0, 1, 2, 0), Copy(0, 1, 0, 0, 2), Copy(0, 1, 1, 2, 2))
+    sync = WeightSync(actor_group, [engine], mode="tensor", bucket_bytes=1 << 18, engine_dtype="float32", check=True,
+                      tensor_copies=crossed)
+    metrics = sync.sync(version=8)  # check=True: raises unless the engine serves the second update's weights
+    assert sync.expected.keys() == first.keys() and sync.expected != first and engine.weight_version == 8
+    assert metrics["weight_sync/relayed_bytes"] == metrics["weight_sync/bytes"]  # each stage relayed to the other
+    sync.close()
+
+
 def max_tensor_bytes(model_dir) -> int:
     from safetensors.torch import load_file
 
@@ -434,15 +485,17 @@ def test_two_engines_same_version_and_corrupted_tensor_is_named(actor_group, eng
     import ray
 
     from megatron_workers.shared_tensors import serialize
+    from megatron_workers.sync_plan import Copy
     from recipe.weight_sync import WeightSync, WeightSyncError
 
     e0, e1 = engines((1, 1))
     _trained_actor(actor_group, tiny_model_dir, seed=6)
     # as the hybrid plan assigns them on GPUs 0 and 1 of a TP2 x PP2 actor: each engine's stage-0 payload from the rank
     # on its GPU, stage 1 from the same TP position in stage 1, so both TP ranks of both stages serialize
+    copies = (Copy(0, 0, 0, 0, 0), Copy(0, 0, 1, 2, 2), Copy(1, 0, 0, 1, 1), Copy(1, 0, 1, 3, 3))
     sync = WeightSync(actor_group, [e0, e1], mode="tensor", bucket_bytes=1 << 18, engine_dtype="float32", check=True,
-                      tensor_senders=[[[0, 2]], [[1, 3]]])
-    assert sync.path.serializers == {0: ((0, 0),), 2: ((0, 0),), 1: ((1, 0),), 3: ((1, 0),)}
+                      tensor_copies=copies)
+    assert sync.path.copies == copies
     sync.sync(version=3)
     assert [e.weight_version for e in (e0, e1)] == [3, 3]
     assert _engine_greedy(e0)[0].output_ids == _engine_greedy(e1)[0].output_ids

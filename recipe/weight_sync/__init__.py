@@ -7,7 +7,8 @@ engine, asks the actor ranks to stream their weights (buckets go straight from t
 the engine actors, see `megatron_workers.weights`), then flushes each engine's prefix cache and closes
 the session under the new version. The paths, one module each:
 
-- `tensor.TensorSync`: serialized handles per engine TP rank (colocated / hybrid placement);
+- `tensor.TensorSync`: serialized handles per engine TP rank, made on that rank's GPU (colocated / hybrid
+  placement; with PP > 1 the other stages' buckets are relayed there first);
 - `distributed.DistributedSync`: a broadcast over a process group per pipeline stage that every engine
   TP rank joins (separate placement, or across nodes);
 - `disk.DiskSync`: an HF checkpoint that every engine reloads (fallback and baseline).
@@ -28,7 +29,7 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from megatron_workers.sync_plan import SyncPlan
+from megatron_workers.sync_plan import Copy, SyncPlan
 from recipe.weight_sync.base import SyncPath, WeightSyncError, each_engine
 from recipe.weight_sync.disk import DiskSync
 from recipe.weight_sync.distributed import DistributedSync
@@ -49,9 +50,9 @@ class WeightSync:
     """Syncs `actor_group`'s weights into `engines` (EngineClient handles) by the path `mode` names."""
 
     def __init__(self, actor_group: Any, engines: list[EngineClient], *, mode: str, bucket_bytes: int,
-                 engine_dtype: str, check: bool, tensor_senders: list[list[list[int]]] | None = None,
+                 engine_dtype: str, check: bool, tensor_copies: tuple[Copy, ...] | None = None,
                  disk_dir: str | None = None) -> None:
-        """`tensor_senders` (tensor path): `PlacementPlan.tensor_senders`, see `TensorSync`; `disk_dir` (disk
+        """`tensor_copies` (tensor path): `PlacementPlan.tensor_copies`, see `TensorSync`; `disk_dir` (disk
         path): where the checkpoint goes (default: a temp dir made at the first sync and overwritten by each)."""
         if mode not in PATHS:
             raise ValueError(f"actor_rollout_ref.rollout.update_weights_mode={mode!r} is not one of {MODES}")
@@ -63,7 +64,7 @@ class WeightSync:
                              "actor_rollout_ref.rollout.update_weights_bucket_megabytes")
         self.engines, self.mode = list(engines), mode
         self.bucket_bytes, self.engine_dtype, self.check = bucket_bytes, engine_dtype, check
-        self.path = PATHS[mode](actor_group, self.engines, tensor_senders=tensor_senders, disk_dir=disk_dir)
+        self.path = PATHS[mode](actor_group, self.engines, tensor_copies=tensor_copies, disk_dir=disk_dir)
         self._connected = False
         self.expected: dict[str, list[float]] = {}  # senders' checksums of the last checked sync, by HF name
 
@@ -91,6 +92,7 @@ class WeightSync:
             "weight_sync/send_seconds": send_s,
             "weight_sync/bytes": float(sum(r["bytes"] for r in sent)),
             "weight_sync/buckets": float(sum(r["buckets"] for r in sent)),
+            "weight_sync/relayed_bytes": float(sum(r.get("relayed_bytes", 0.0) for r in sent)),  # tensor path, PP>1
             "weight_sync/peak_extra_mb": max((r["peak_extra_bytes"] for r in sent), default=0.0) / 2**20,
         }
         if check:

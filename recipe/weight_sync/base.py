@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from megatron_workers.sync_plan import SyncPlan
+from megatron_workers.sync_plan import Copy, SyncPlan
 
 if TYPE_CHECKING:  # the driver's handles; this package imports neither Ray nor torch (the config imports it)
     from megatron_workers.worker_group import MegatronWorkerGroup
@@ -35,12 +35,12 @@ class WeightSyncError(RuntimeError):
 class SyncPath:
     """One way to move the actor's weights into the engines; a subclass per path.
 
-    `tensor_senders` and `disk_dir` are the options of the paths that read them (`TensorSync`, `DiskSync`); the
+    `tensor_copies` and `disk_dir` are the options of the paths that read them (`TensorSync`, `DiskSync`); the
     others ignore them.
     """
 
     def __init__(self, group: MegatronWorkerGroup, engines: list[EngineClient], *,
-                 tensor_senders: list[list[list[int]]] | None = None, disk_dir: str | None = None) -> None:
+                 tensor_copies: tuple[Copy, ...] | None = None, disk_dir: str | None = None) -> None:
         self.group, self.engines = group, engines
 
     def connect(self) -> None:

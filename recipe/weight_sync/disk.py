@@ -9,14 +9,14 @@ import dataclasses
 import tempfile
 import time
 
-from megatron_workers.sync_plan import SyncPlan
+from megatron_workers.sync_plan import Copy, SyncPlan
 from recipe.weight_sync.base import Sent, SyncPath, each_engine
 
 
 class DiskSync(SyncPath):
     """`disk_dir`: where the checkpoint goes, overwritten by each sync (default: a temp dir made by `connect`)."""
 
-    def __init__(self, group, engines, *, tensor_senders: list[list[list[int]]] | None = None,
+    def __init__(self, group, engines, *, tensor_copies: tuple[Copy, ...] | None = None,
                  disk_dir: str | None = None) -> None:
         super().__init__(group, engines)
         self.disk_dir = disk_dir

@@ -1,53 +1,52 @@
 """The tensor path (colocated / hybrid placement): each bucket handed over by handle on the engine's own GPU.
 
-The ranks `tensor_senders` names (`PlacementPlan.tensor_senders`: the rank on each engine TP rank's GPU) pickle
-every bucket of their stage by handle (CUDA IPC on GPUs, a shared-memory name on CPU), one copy per engine TP rank
-they serve, and hand it to the engine actor (`EngineActor.load_payload`); every stage ships at once, inside one
-weight-update session per engine.
+Every engine TP rank gets every pipeline stage's buckets as one `sync_plan.Copy` says (`PlacementPlan.tensor_copies`):
+the copy's filler (a rank of that stage) fills them with its TP group, and its serializer (the rank on the engine
+rank's GPU) pickles them by handle (CUDA IPC on GPUs, a shared-memory name on CPU) and hands them to the engine actor
+(`EngineActor.load_payload`). A filler that is not the serializer first sends each flat bucket to it over
+torch.distributed (`megatron_workers.relay`), so a handle never points to another GPU's memory. Every stage ships at
+once, inside one weight-update session per engine.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from megatron_workers.sync_plan import SyncPlan
+from megatron_workers.sync_plan import Copy, SyncPlan
 from recipe.weight_sync.base import Sent, SyncPath, in_session
 
 
 class TensorSync(SyncPath):
-    """`serializers`: {global Megatron rank: ((engine index, engine TP rank), ...)}, the copies each rank makes."""
+    """`copies`: every (engine, engine TP rank, stage)'s `Copy`, checked against the actor group's ranks."""
 
-    def __init__(self, group, engines, *, tensor_senders: list[list[list[int]]] | None = None,
+    def __init__(self, group, engines, *, tensor_copies: tuple[Copy, ...] | None = None,
                  disk_dir: str | None = None) -> None:
-        """`tensor_senders[i][r][s]`: the global Megatron rank that serializes pipeline stage s's weights for
-        engine i's TP rank r; None: each stage's first rank (TP 0, DP 0) serializes every copy."""
+        """`tensor_copies`: `PlacementPlan.tensor_copies`; None: each stage's first rank (TP 0, DP 0) fills and
+        serializes every copy of that stage itself (no relay)."""
         super().__init__(group, engines)
-        self.serializers = serializers(group.ranks, [e.tp_size for e in engines], tensor_senders)
+        self.copies = checked_copies(group.ranks, [e.tp_size for e in engines], tensor_copies)
 
     def update(self, version: int, plan: SyncPlan) -> Sent:
-        plan = dataclasses.replace(plan, transport="tensor", serializers=self.serializers)
+        plan = dataclasses.replace(plan, transport="tensor", copies=self.copies)
         return in_session(self.engines, version, lambda: self.group.send_weights(plan))
 
 
-def serializers(ranks, tp_sizes: list[int],
-                tensor_senders: list[list[list[int]]] | None) -> dict[int, tuple[tuple[int, int], ...]]:
-    """{global rank: ((engine index, engine TP rank), ...)} from `tensor_senders` (see `TensorSync.__init__`) and
-    the group's `ranks` (`RankInfo`): each copy of each stage's weights is serialized by exactly one rank of that
-    stage; raises ValueError when `tensor_senders` does not say so."""
+def checked_copies(ranks, tp_sizes: list[int], copies: tuple[Copy, ...] | None) -> tuple[Copy, ...]:
+    """`copies` (see `TensorSync.__init__`), checked against the group's `ranks` (`RankInfo`): every (engine, engine
+    TP rank, pipeline stage) exactly once, filled by a rank of that stage and serialized by an actor rank; raises
+    ValueError naming the first that is not."""
     stage_of = {info.rank: info.pp_rank for info in ranks}
     stages = sorted(set(stage_of.values()))
-    if tensor_senders is None:
-        firsts = [min(i.rank for i in ranks if i.pp_rank == s and i.tp_rank == 0 and i.dp_rank == 0) for s in stages]
-        tensor_senders = [[firsts for _ in range(tp)] for tp in tp_sizes]
-    if len(tensor_senders) != len(tp_sizes):
-        raise ValueError(f"tensor_senders has {len(tensor_senders)} entries for {len(tp_sizes)} engines")
-    out: dict[int, list[tuple[int, int]]] = {}
-    for i, (tp, per_rank) in enumerate(zip(tp_sizes, tensor_senders)):
-        if len(per_rank) != tp:
-            raise ValueError(f"tensor_senders[{i}] lists {len(per_rank)} ranks for engine {i} with tp_size={tp}")
-        for r, senders in enumerate(per_rank):
-            if sorted(stage_of.get(g, -1) for g in senders) != stages:
-                raise ValueError(f"tensor_senders[{i}][{r}]={senders} must name one actor rank of each pipeline "
-                                 f"stage {stages}")
-            for g in senders:
-                out.setdefault(g, []).append((i, r))
-    return {g: tuple(copies) for g, copies in out.items()}
+    if copies is None:
+        firsts = {s: min(i.rank for i in ranks if i.pp_rank == s and i.tp_rank == 0 and i.dp_rank == 0) for s in stages}
+        return tuple(Copy(i, r, s, firsts[s], firsts[s]) for i, tp in enumerate(tp_sizes) for r in range(tp)
+                     for s in stages)
+    want = sorted((i, r, s) for i, tp in enumerate(tp_sizes) for r in range(tp) for s in stages)
+    got = sorted((c.engine, c.tp_rank, c.stage) for c in copies)
+    if got != want:
+        raise ValueError(f"tensor_copies covers (engine, engine TP rank, stage) {got}; every one of {want} must be "
+                         "covered exactly once")
+    for c in copies:
+        if stage_of.get(c.filler) != c.stage or c.serializer not in stage_of:
+            raise ValueError(f"{c}: the filler must be an actor rank of stage {c.stage} and the serializer an actor "
+                             f"rank (ranks by stage: {stage_of})")
+    return tuple(copies)

@@ -2,7 +2,9 @@
 
 `build(cls, d)` turns a plain nested dict (Hydra's composed config) into dataclass tree `cls`,
 each section built by its own `__post_init__` checks; an unknown key anywhere is refused naming
-its full dotted path (with "did you mean"), a scalar of the wrong type naming its key. `defaults`,
+its full dotted path (with "did you mean"), a scalar of the wrong type naming its key. Sibling
+sections are checked independently and every refusal is raised together (`Problems`); a section's
+own checks are skipped when one of its fields was refused. `defaults`,
 `flat_keys` and `dict_keys` read a tree's declarations without building it; `register_schema`
 hands the defaults to Hydra. The declarations themselves live in `recipe.config_schema` (RL) and
 `recipe.sft_config` (SFT).
@@ -13,12 +15,54 @@ import dataclasses
 import difflib
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
 class ConfigError(ValueError):
-    """A config value is missing, unknown or inconsistent; the message names the key and the fix."""
+    """A config value is missing, unknown or inconsistent; each problem names the key and the fix. Problems found
+    together travel in one error (`problems`), printed one line each."""
+
+    def __init__(self, *problems: str) -> None:
+        super().__init__(*problems)
+        self.problems = [" ".join(str(p).split()) for p in problems]
+
+    def __str__(self) -> str:
+        return "\n".join(self.problems)
+
+
+def problem_lines(err: BaseException) -> list[str]:
+    """The lines an error prints: one per problem of a ConfigError, else its message on one line."""
+    if isinstance(err, ConfigError):
+        return err.problems
+    return [" ".join(str(err).split()) or type(err).__name__]
+
+
+class Problems:
+    """Launch problems collected, so that one run reports every one it can find: `check` runs an independent check
+    and records its refusal (an error of a `catch` type); a check that needs an earlier one's result is skipped when
+    that one failed (the caller sees its None); `raise_all` raises the lines as one ConfigError."""
+
+    def __init__(self, catch: tuple[type[BaseException], ...] = (ConfigError,)) -> None:
+        self.lines: list[str] = []
+        self.catch = catch
+
+    def add(self, err: BaseException) -> None:
+        """Record `err`'s lines (each once)."""
+        self.lines += [line for line in problem_lines(err) if line not in self.lines]
+
+    def check(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)`, or None when it refused (its lines recorded)."""
+        try:
+            return fn(*args, **kwargs)
+        except self.catch as err:
+            self.add(err)
+            return None
+
+    def raise_all(self) -> None:
+        """Raise every line recorded as one ConfigError; nothing when none was."""
+        if self.lines:
+            raise ConfigError(*self.lines)
 
 
 def build(cls: type, d: dict[str, Any]) -> Any:
@@ -41,18 +85,22 @@ def _build(cls: type, d: Any, prefix: str) -> Any:
         raise ConfigError(f"{where} must be a mapping, got {type(d).__name__} {d!r}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
+    problems = Problems()
     unknown = sorted(set(d) - names)
     if unknown:
         near = difflib.get_close_matches(unknown[0], sorted(names), n=1)
-        raise ConfigError(f"unknown config key(s) {[prefix + k for k in unknown]}" +
-                          (f"; did you mean {prefix + near[0]}?" if near else f"; {where} has {sorted(names)}"))
+        problems.add(ConfigError(f"unknown config key(s) {[prefix + k for k in unknown]}" +
+                                 (f"; did you mean {prefix + near[0]}?" if near else f"; {where} has {sorted(names)}")))
     kwargs = {}
-    for key, value in d.items():
+    for key, value in d.items():  # every section and field checked, each on its own
+        if key in unknown:
+            continue
         section = section_type(hints[key])
         if section is not None and value is not None:
-            kwargs[key] = _build(section, value, f"{prefix}{key}.")
+            kwargs[key] = problems.check(_build, section, value, f"{prefix}{key}.")
         else:
-            kwargs[key] = _check_type(value, hints[key], prefix + key)
+            kwargs[key] = problems.check(_check_type, value, hints[key], prefix + key)
+    problems.raise_all()  # the checks of `cls` itself read its fields: skipped when one of them failed
     try:
         return cls(**kwargs)
     except ConfigError:

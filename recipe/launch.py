@@ -18,19 +18,20 @@
   mean"), keys given twice, `--config-path`: ALL refusals in one `ConfigError`, before Hydra.
 
 `load(argv, entry)` then composes with Hydra's compose API and builds the entry's typed config, so Hydra's
-own errors (its struct "use +key" advice among them) never reach the user; the entry point
-prints a `ConfigError` as one line and exits 2 (`HYDRA_FULL_ERROR=1` re-raises it, traceback
-included).
+own errors (its struct "use +key" advice among them) never reach the user; every mistake it finds (refused keys, and
+the values of the config the other overrides compose) is raised in one `ConfigError`, which the entry point prints
+a line each before it exits 2 (`HYDRA_FULL_ERROR=1` re-raises it, traceback included).
 """
 from __future__ import annotations
 
 import difflib
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from recipe.config_build import ConfigError, dict_keys, flat_keys, register_schema
+from recipe.config_build import ConfigError, Problems, dict_keys, flat_keys, register_schema
 from recipe.config_schema import PPOConfig
 from recipe.verl_keys import VERL_BATCH, VERL_KEYS, Rule
 
@@ -159,9 +160,9 @@ def _read_flags(argv: list[str], entry: Entry, launch: Launch, refused: list[str
     return raw
 
 
-def prepare(argv: list[str], entry: Entry | None = None) -> Launch:
-    """Read a command line of `entry` (default `PPO`): every refusal raised at once as one ConfigError (one line),
-    else the Launch."""
+def prepare(argv: list[str], entry: Entry | None = None, *, collect: list[str] | None = None) -> Launch:
+    """Read a command line of `entry` (default `PPO`): every refusal raised at once as one ConfigError (a line each),
+    else the Launch; with `collect`, the refusals are appended to it instead and the Launch holds the rest."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -217,8 +218,10 @@ def prepare(argv: list[str], entry: Entry | None = None) -> Launch:
             launch.warned.append(f"{key}={value} ({rule.why})")
         else:
             refused.append(f"{key}={value}: {rule.why}")
-    if refused:
-        raise ConfigError(" | ".join(refused) if len(refused) > 1 else refused[0])
+    if refused and collect is None:
+        raise ConfigError(*refused)
+    if collect is not None:
+        collect += refused
     if launch.config_name == FULLY_ASYNC_PRESET and _BYPASS not in seen:
         launch.warned.append(f"{_BYPASS} (verl's fully-async config defaults it to True, the engine's log-probs as the "
                              "old ones; here the trainer recomputes them, verl's False)")
@@ -258,27 +261,33 @@ def check_same_as(launch: Launch, config: dict[str, Any]) -> None:
                                   == Path(node).expanduser().resolve()):
             refused.append(f"{key}={value}: {why} (it is {node!r})")
     if refused:
-        raise ConfigError(" | ".join(refused))
+        raise ConfigError(*refused)
 
 
 def compose(launch: Launch, entry: Entry | None = None) -> dict[str, Any]:
-    """The composed, resolved config of a command line of `entry` (default `PPO`): the entry's schema registered with
-    Hydra (`register_schema`), then Hydra's compose API, its errors as one ConfigError."""
+    """The composed, resolved config of a command line of `entry` (default `PPO`), its `same_as` keys checked
+    (`check_same_as`)."""
+    config = _compose(launch, entry or PPO)
+    check_same_as(launch, config)
+    return config
+
+
+def _compose(launch: Launch, entry: Entry) -> dict[str, Any]:
+    """The entry's schema registered with Hydra (`register_schema`), then Hydra's compose API: the resolved config,
+    Hydra's errors as one ConfigError."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    entry = entry or PPO
     register_schema(entry.schema_node, entry.schema)
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg = hydra_compose(config_name=launch.config_name, overrides=launch.overrides)
         config = OmegaConf.to_container(cfg, resolve=True)
     except (HydraException, OmegaConfBaseException) as err:
-        raise ConfigError(" ".join(str(err).split())) from err
-    check_same_as(launch, config)
+        raise ConfigError(str(err)) from err
     return {k: v for k, v in config.items() if k != "hydra"}
 
 
@@ -303,7 +312,7 @@ def fully_async_overrides(launch: Launch, config: dict[str, Any]) -> list[str]:
         if key in given and (not isinstance(given[key], int) or isinstance(given[key], bool) or given[key] < 1):
             refused.append(f"{key}={given[key]}: a whole number >= 1")
     if refused:
-        raise ConfigError(" | ".join(refused))
+        raise ConfigError(*refused)
     out, batch = [], config["data"]["train_batch_size"]
     if "data.train_batch_size" in given or "async_training.require_batches" in given:
         mini = config["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"]
@@ -319,19 +328,40 @@ def fully_async_overrides(launch: Launch, config: dict[str, Any]) -> list[str]:
 
 def load(argv: list[str], entry: Entry | None = None) -> tuple[Any, dict[str, Any], Launch]:
     """A command line as the entry point (default `PPO`) reads it, before anything starts: the typed config, its
-    plain dict, and the Launch (its one warning; its overrides carry verl's fully-async keys mapped). Raises
-    ConfigError (one line) for any mistake."""
+    plain dict, and the Launch (its one warning; its overrides carry verl's fully-async keys mapped). Raises one
+    ConfigError with every mistake found, a line each: the refused keys, and the value checks of the config the
+    other overrides compose (none when the preset itself is refused; verl's fully-async keys mapped only when
+    valid)."""
     entry = entry or PPO
-    launch = prepare(argv, entry)
-    config = compose(launch, entry)
-    extra = fully_async_overrides(launch, config)
-    if extra:
-        launch.overrides += extra
-        config = compose(launch, entry)
-    return entry.schema.from_dict(config), config, launch
+    refused: list[str] = []
+    launch = prepare(argv, entry, collect=refused)
+    if launch.config_name not in entry.presets:  # nothing to compose
+        raise ConfigError(*refused)
+    problems = Problems()
+    config = problems.check(_compose, launch, entry)
+    if config is not None:
+        problems.check(check_same_as, launch, config)
+        extra = problems.check(fully_async_overrides, launch, config)
+        if extra:
+            launch.overrides += extra
+            config = problems.check(_compose, launch, entry)
+    cfg = problems.check(entry.schema.from_dict, config) if config is not None else None
+    if refused:
+        raise ConfigError(*refused, *_not_about(problems.lines, _refused_keys(argv, launch)))
+    problems.raise_all()
+    return cfg, config, launch
 
 
-def one_line(err: BaseException) -> str:
-    """An error as the one line the entry point prints."""
-    return " ".join(str(err).split()) or type(err).__name__
+def _refused_keys(argv: list[str], launch: Launch) -> set[str]:
+    """The keys of `argv`'s key=value arguments that reached neither Hydra nor a verl mapping (refused ones)."""
+    given = {a.split("=", 1)[0].lstrip("+~") for a in argv if "=" in a and not a.startswith("-")}
+    taken = {o.split("=", 1)[0].lstrip("+") for o in launch.overrides} | set(launch.verl_batch)
+    return given - taken - {key for key, *_ in launch.same_as}
+
+
+def _not_about(lines: list[str], keys: set[str]) -> list[str]:
+    """`lines` less those naming one of `keys`: a value checked without the user's refused override of it is not the
+    value the user meant (fixing the override decides it)."""
+    named = [re.compile(rf"(?<![\w.]){re.escape(k)}(?![\w.])") for k in keys]
+    return [line for line in lines if not any(n.search(line) for n in named)]
 

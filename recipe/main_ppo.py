@@ -33,6 +33,7 @@ import cpu_standins
 from megatron_workers import cpu_compat
 from megatron_workers.worker_group import RankFailure
 from recipe import checkpoint, launch, preflight
+from recipe.config_build import Problems, problem_lines
 from recipe.config_schema import (
     ConfigError,
     PPOConfig,
@@ -171,42 +172,81 @@ class Prepared:
 def prepare(cfg: PPOConfig) -> Prepared:
     """Everything checked and loaded before Ray starts (recipe.preflight): the placement plan, the checkpoint to
     resume, the wandb login, the model directory (config.json, tokenizer, layout against its heads and layers), the
-    memory plan, the tool and interaction YAML, the data (batch size, a scorer per data source); raises ConfigError
-    naming the key."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from recipe.tasks import verl_aliases
+    memory plan, the tool and interaction YAML, the data (batch size, a scorer per data source). Every independent
+    check runs; one that needs a failed one's result is skipped; all refusals are raised together as one ConfigError,
+    a line each naming the key."""
     from rollout.interactions.registry import InteractionRegistry
     from rollout.tools.registry import ToolRegistry
+    from recipe.tasks import verl_aliases
 
-    plan = plan_placement(cfg)  # refuses a layout that cannot fit before anything starts
-    preflight.check_wandb_login(cfg.trainer.logger)
-    resume = checkpoint.resume_dir(cfg.trainer.resume_mode, cfg.trainer.default_local_dir, cfg.trainer.resume_from_path)
+    problems = Problems(USER_ERRORS)
+    plan = problems.check(plan_placement, cfg)  # refuses a layout that cannot fit before anything starts
+    problems.check(preflight.check_wandb_login, cfg.trainer.logger)
+    resume = problems.check(_resume_dir, cfg)
     state = checkpoint.TrainerState.read(resume) if resume is not None else None  # the step and wandb run it continues
+    model = problems.check(_model, cfg, plan)
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    # multi_turn.enable=false: single turn, so no tool or interaction is loaded (rows' kwargs are dropped at load)
+    aliases = verl_aliases()  # verl's paths of the tasks' parts (verl's scorers), for verl's YAML
+    tools = problems.check(ToolRegistry.from_config, mt.tool_config_path if mt.enable else None, aliases=aliases,
+                           function_tool_path=mt.function_tool_path if mt.enable else None)
+    interactions = problems.check(InteractionRegistry.from_config, mt.interaction_config_path if mt.enable else None,
+                                  aliases=aliases)
+    problems.check(preflight.check_reward_function, cfg)
+    data = None
+    if model is not None and tools is not None and interactions is not None:  # rows are checked against them
+        data = problems.check(_data, cfg, model[1], tools, interactions)
+    if data is not None:
+        sources = {p.data_source for p in data[0].items + (data[1] or [])}
+        problems.check(preflight.check_data, cfg, len(data[0]), sources)
+    problems.raise_all()
+    return Prepared(plan, resume, state, model[0], model[1], tools, interactions, *data)
+
+
+def _resume_dir(cfg: PPOConfig) -> Path | None:
+    """The checkpoint directory to resume from (None: a fresh start); a missing one refused naming the key."""
+    t = cfg.trainer
+    try:
+        return checkpoint.resume_dir(t.resume_mode, t.default_local_dir, t.resume_from_path)
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError(str(err)) from err
+
+
+def _model(cfg: PPOConfig, plan: PlacementPlan | None) -> tuple[str, Any]:
+    """The model directory and its tokenizer, checked: its files, the parallel layout against its heads and layers,
+    and (with a plan) the memory plan."""
+    from transformers import AutoConfig, AutoTokenizer
+
     path = model_dir(cfg)
     preflight.check_model_dir(path)
     hf_config = AutoConfig.from_pretrained(path)
     preflight.check_layout(cfg, hf_config)
-    check_memory(cfg, plan, hf_config, driver_gpu_bytes())  # hybrid: refuses a plan that cannot fit
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    mt = cfg.actor_rollout_ref.rollout.multi_turn
-    # multi_turn.enable=false: single turn, so no tool or interaction is loaded (rows' kwargs are dropped at load)
-    aliases = verl_aliases()  # verl's paths of the tasks' parts (verl's scorers), for verl's YAML
-    tools = ToolRegistry.from_config(mt.tool_config_path if mt.enable else None, aliases=aliases,
-                                     function_tool_path=mt.function_tool_path if mt.enable else None)
-    interactions = InteractionRegistry.from_config(mt.interaction_config_path if mt.enable else None, aliases=aliases)
+    if plan is not None:
+        check_memory(cfg, plan, hf_config, driver_gpu_bytes())  # hybrid: refuses a plan that cannot fit
+    return path, AutoTokenizer.from_pretrained(path)
+
+
+def _data(cfg: PPOConfig, tokenizer: Any, tools: Any, interactions: Any) -> tuple[RLDataset, list | None]:
+    """The training prompts and the validation prompts (uid val/<i>; None without data.val_files), each file's
+    refusal naming its key."""
     default_agent = cfg.actor_rollout_ref.rollout.agent.default_agent_loop  # rows without agent_name
-    dataset = RLDataset(cfg.data.train_files, tools, interactions, tokenizer=tokenizer,
-                        max_prompt_length=cfg.data.max_prompt_length, default_agent=default_agent)
-    logger.info("data: %d prompts from %s", len(dataset), cfg.data.train_files)
-    val_prompts = None
-    if cfg.data.val_files:
-        val_data = RLDataset(cfg.data.val_files, tools, interactions, tokenizer=tokenizer,
+    problems = Problems()
+
+    def load(key: str, files: list[str]) -> RLDataset:
+        try:
+            return RLDataset(files, tools, interactions, tokenizer=tokenizer,
                              max_prompt_length=cfg.data.max_prompt_length, default_agent=default_agent)
-        val_prompts = [dataclasses.replace(p, uid=f"val/{i}") for i, p in enumerate(val_data.items)]
-        logger.info("validation data: %d prompts from %s", len(val_prompts), cfg.data.val_files)
-    preflight.check_data(cfg, len(dataset), {p.data_source for p in dataset.items + (val_prompts or [])})
-    return Prepared(plan, resume, state, path, tokenizer, tools, interactions, dataset, val_prompts)
+        except (ValueError, KeyError, OSError) as err:  # the rows' own messages name the file and row
+            raise ConfigError(f"{key}: {problem_lines(err)[0]}") from err
+
+    dataset = problems.check(load, "data.train_files", cfg.data.train_files)
+    val_data = problems.check(load, "data.val_files", cfg.data.val_files) if cfg.data.val_files else None
+    problems.raise_all()
+    logger.info("data: %d prompts from %s", len(dataset), cfg.data.train_files)
+    if val_data is None:
+        return dataset, None
+    logger.info("validation data: %d prompts from %s", len(val_data), cfg.data.val_files)
+    return dataset, [dataclasses.replace(p, uid=f"val/{i}") for i, p in enumerate(val_data.items)]
 
 
 def build(cfg: PPOConfig, config_dict: dict | None = None,
@@ -268,10 +308,11 @@ USER_ERRORS = (ConfigError, PluginConfigError)
 
 
 def report(err: BaseException) -> NoReturn:
-    """Print a launch mistake as one line and exit 2; with HYDRA_FULL_ERROR=1, raise it with its traceback."""
+    """Print the launch mistakes, one line each, and exit 2; with HYDRA_FULL_ERROR=1, raise them with the
+    traceback."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise err
-    print(f"polyturn: error: {launch.one_line(err)}", file=sys.stderr, flush=True)
+    print("\n".join(f"polyturn: error: {line}" for line in problem_lines(err)), file=sys.stderr, flush=True)
     sys.exit(2)
 
 

@@ -8,7 +8,8 @@ Writes `<trainer.default_local_dir>/hf`, an HF directory (safetensors, config, t
 `actor_rollout_ref.model.path` of `recipe.main_ppo` takes as it is, logs `sft/*`, `val/loss` and
 `perf/*` through `recipe.tracking`, and prints one JSON line with the run's figures last.
 
-Start-up follows `recipe.main_ppo`: the config is validated before anything starts, the driver
+Start-up follows `recipe.main_ppo`: the config, the model directory and the data are checked before anything starts
+(every refusal at once, a line each), the driver
 joins the Ray cluster at `RAY_ADDRESS` or starts a local one, and the ranks sit on placement
 bundles (`recipe.placement.plan_trainer_only`). Where it departs from verl's fsdp_sft_trainer:
 Megatron TP x PP x DP ranks instead of FSDP under torchrun; one optimizer step per
@@ -38,27 +39,65 @@ def _val_loss(group: Any, batch: dict[str, Any]) -> float:
     return float(-log_probs.sum() / batch["response_mask"].sum().clamp(min=1).to(torch.float32))
 
 
+def _model_path(cfg: SFTConfig) -> str:
+    """The checkpoint directory (a hub id downloaded here), with its config.json and tokenizer."""
+    from recipe import preflight
+    from recipe.config_shared import is_hub_id
+
+    path = cfg.model.partial_pretrain
+    if is_hub_id(path):
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(path)
+    preflight.check_model_dir(path, "model.partial_pretrain")
+    return path
+
+
 def _load(cfg: SFTConfig, path: str) -> tuple[Any, Any]:
-    """The encoded training and validation sets (None without data.val_files), checked against the batch sizes."""
+    """The encoded training and validation sets (None without data.val_files), checked against the batch sizes: each
+    refusal (a file's rows, a batch larger than its file) one ConfigError line naming the key, all of them together."""
     from transformers import AutoTokenizer
 
+    from recipe.config_build import ConfigError, Problems, problem_lines
     from recipe.data.sft_dataset import SFTDataset
     from rollout.chat_codec import ChatCodec
 
     d = cfg.data
     codec = ChatCodec.for_tokenizer(AutoTokenizer.from_pretrained(path))  # the rollout's template and stop token
 
-    def load(files: list[str]) -> SFTDataset:
-        return SFTDataset(files, codec, messages_key=d.multiturn.messages_key, tools_key=d.multiturn.tools_key,
-                          max_length=d.max_length, truncation=d.truncation)
+    def load(key: str, files: list[str], at_least: int, why: str) -> SFTDataset:
+        try:
+            data = SFTDataset(files, codec, messages_key=d.multiturn.messages_key, tools_key=d.multiturn.tools_key,
+                              max_length=d.max_length, truncation=d.truncation)
+        except (ValueError, KeyError, OSError) as err:  # the rows' own messages name the file and row
+            raise ConfigError(f"{key}: {problem_lines(err)[0]}") from err
+        if len(data) < at_least:
+            raise ConfigError(f"{key} hold {len(data)} rows, {why}")
+        return data
 
-    train = load(d.train_files)
-    if len(train) < d.train_batch_size:
-        raise ValueError(f"{len(train)} rows make no batch of data.train_batch_size={d.train_batch_size}; lower it")
-    val = load(d.val_files) if d.val_files else None
-    if val is not None and len(val) < cfg.dp_size:
-        raise ValueError(f"data.val_files hold {len(val)} rows, fewer than the {cfg.dp_size} data-parallel ranks; add rows")
+    problems = Problems()
+    train = problems.check(load, "data.train_files", d.train_files, d.train_batch_size,
+                           f"fewer than one batch of data.train_batch_size={d.train_batch_size}; lower it or add rows")
+    val = problems.check(load, "data.val_files", d.val_files, cfg.dp_size,
+                         f"fewer than the {cfg.dp_size} data-parallel ranks; add rows") if d.val_files else None
+    problems.raise_all()
     return train, val
+
+
+def prepare(cfg: SFTConfig) -> tuple[str, Any, Any]:
+    """Everything checked and loaded before Ray starts: the wandb login, the model directory, the data (each check on
+    its own; the data needs the model's tokenizer); the model directory, the training and validation sets. Raises one
+    ConfigError with every refusal, a line each."""
+    from recipe import preflight
+    from recipe.config_build import Problems
+    from recipe.main_ppo import USER_ERRORS
+
+    problems = Problems(USER_ERRORS)
+    problems.check(preflight.check_wandb_login, cfg.trainer.logger)  # not at wandb.init, after the ranks started
+    path = problems.check(_model_path, cfg)
+    data = problems.check(_load, cfg, path) if path is not None else None
+    problems.raise_all()
+    return path, *data
 
 
 def _start_actor(cfg: SFTConfig, path: str, placement: Any) -> Any:
@@ -116,22 +155,18 @@ def _fit(cfg: SFTConfig, group: Any, train: Any, val: Any, tracker: Any) -> dict
     return result
 
 
-def run(cfg: SFTConfig, config_dict: dict | None = None) -> dict[str, Any]:
-    """Load and encode the data, start the ranks, train, export `<default_local_dir>/hf`; returns the run's figures."""
+def run(cfg: SFTConfig, config_dict: dict | None = None,
+        prepared: tuple[str, Any, Any] | None = None) -> dict[str, Any]:
+    """Load and encode the data (`prepare`, unless given its result), start the ranks, train, export
+    `<default_local_dir>/hf`; returns the run's figures."""
     import ray
 
-    from recipe.config_shared import is_hub_id
     from recipe.main_ppo import start_ray
     from recipe.placement import Placement, plan_trainer_only
     from recipe.tracking import Tracking
 
     t_start = time.monotonic()
-    path = cfg.model.partial_pretrain
-    if is_hub_id(path):
-        from huggingface_hub import snapshot_download
-
-        path = snapshot_download(path)
-    train, val = _load(cfg, path)
+    path, train, val = prepared or prepare(cfg)
     t = cfg.trainer
     plan = plan_trainer_only(t.nnodes, t.n_gpus_per_node)
     start_ray(cfg.ray_init)
@@ -160,16 +195,15 @@ def run(cfg: SFTConfig, config_dict: dict | None = None) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     """The entry point, recipe.main_ppo's `hydra_entry` with verl's SFT keys: a launch mistake is one line and exit 2,
     before Ray; the run prints its final JSON line."""
-    from recipe import preflight
     from recipe.main_ppo import USER_ERRORS, hydra_entry, report
 
     def body(config_dict: dict) -> None:
         try:
             config = SFTConfig.from_dict(config_dict)
-            preflight.check_wandb_login(config.trainer.logger)  # not at wandb.init, after the ranks started
+            prepared = prepare(config)  # the model and data checks, before Ray
         except USER_ERRORS as err:
             report(err)
-        print(json.dumps(run(config, config_dict)), flush=True)
+        print(json.dumps(run(config, config_dict, prepared)), flush=True)
 
     hydra_entry(argv, SFT, body)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from recipe.config_build import Problems
 from recipe.config_schema import ROLE_KEYS, ConfigError, PPOConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -52,26 +53,33 @@ def check_layout(cfg: PPOConfig, hf_config: Any) -> None:
                               f"of {layers // pp}")
 
 
-def check_data(cfg: PPOConfig, rows: int, data_sources: set[str]) -> None:
-    """Refuse a batch larger than the data, a custom reward function that cannot be loaded, and a data source with
-    no scorer."""
+def check_reward_function(cfg: PPOConfig) -> None:
+    """Refuse a custom reward function that cannot be loaded."""
     from recipe.reward.scoring import load_compute_score
-    from recipe.tasks import scorer_paths
 
-    if cfg.data.train_batch_size > rows:
-        raise ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} exceeds the {rows} prompts loaded from "
-                          f"data.train_files (after dropping prompts over data.max_prompt_length); lower it to <= {rows}")
     try:
         load_compute_score(cfg.custom_reward_function)
     except ValueError as err:
         raise ConfigError(str(err)) from err
+
+
+def check_data(cfg: PPOConfig, rows: int, data_sources: set[str]) -> None:
+    """Refuse a batch larger than the data and a data source with no scorer (each on its own)."""
+    from recipe.tasks import scorer_paths
+
+    problems = Problems()
+    if cfg.data.train_batch_size > rows:
+        problems.add(ConfigError(f"data.train_batch_size={cfg.data.train_batch_size} exceeds the {rows} prompts "
+                                 "loaded from data.train_files (after dropping prompts over data.max_prompt_length); "
+                                 f"lower it to <= {rows}"))
     if cfg.custom_reward_function.path is None:
         known = scorer_paths()
         missing = sorted(data_sources - set(known))
         if missing:
-            raise ConfigError(f"data_source {missing} in data.train_files / data.val_files has no outcome scorer "
-                              f"(known: {sorted(known)}); set custom_reward_function.path=<file.py> or add a task "
-                              "(a module in recipe/tasks/ with the source in DATA_SOURCES)")
+            problems.add(ConfigError(f"data_source {missing} in data.train_files / data.val_files has no outcome "
+                                     f"scorer (known: {sorted(known)}); set custom_reward_function.path=<file.py> or "
+                                     "add a task (a module in recipe/tasks/ with the source in DATA_SOURCES)"))
+    problems.raise_all()
 
 
 def check_wandb_login(loggers: list[str]) -> None:

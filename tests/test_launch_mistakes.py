@@ -1,5 +1,5 @@
 """Every launch mistake is one line before Ray: it names the key or file and the fix, the entry point exits 2 with
-no traceback (HYDRA_FULL_ERROR=1 shows one).
+no traceback (HYDRA_FULL_ERROR=1 shows one); a launch with several mistakes prints them all, a line each, in one run.
 
 The mistakes run in this process through the entry point's own two stages (`recipe.launch.load`: the command
 line, Hydra's compose and the typed config; `recipe.main_ppo.prepare`: the model, data and plug-in checks), the
@@ -9,6 +9,7 @@ got: `UPDATE_README=1 pytest tests/test_launch_mistakes.py -k readme` rewrites i
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from recipe import launch
+from recipe.config_build import problem_lines
 from recipe.tasks import gsm8k
 
 REPO = Path(__file__).resolve().parents[1]
@@ -113,6 +115,16 @@ MISTAKES = [
      "bad_interaction.yaml: line 4 is not valid YAML"),
     ("tool class that does not exist", ["actor_rollout_ref.rollout.multi_turn.tool_config_path={d}/no_class.yaml"],
      "no_class.yaml"),
+    ("parquet without the prompt column", ["data.train_files=[{d}/no_prompt.parquet]"],
+     "data.train_files: data row {d}/no_prompt.parquet[0]: `prompt` must be a list of chat messages"),
+    ("a jsonl given as a train file", ["data.train_files=[{d}/train.jsonl]"],
+     "data.train_files: {d}/train.jsonl is not a parquet file"),
+    ("unknown interaction name in a row", ["data.train_files=[{d}/unknown_interaction.parquet]"],
+     "data.train_files: {d}/unknown_interaction.parquet[0]: interaction_kwargs.name='nosuch' is not registered"),
+    ("unknown tool name in tools_kwargs", ["data.train_files=[{d}/unknown_tool.parquet]"],
+     "data.train_files: {d}/unknown_tool.parquet[0]: tools_kwargs names unknown tools ['nosuch_tool']"),
+    ("every prompt over max_prompt_length", ["data.max_prompt_length=10"],
+     "data.train_files: all 4 prompts of ['{d}/train.parquet'] are longer than data.max_prompt_length=10 tokens"),
 ]
 
 
@@ -132,20 +144,28 @@ def setup(tiny_model_dir, tmp_path_factory) -> tuple[Path, list[str]]:
     (d / "bad_tool.yaml").write_text(bad)
     (d / "bad_interaction.yaml").write_text(bad.replace("tools:", "interaction:"))
     (d / "no_class.yaml").write_text("tools:\n  - class_name: my_package.tools.NoSuchTool\n    config: {}\n")
+    gsm8k.write_rows([{k: v for k, v in r.items() if k != "prompt"} for r in rows], d / "no_prompt.parquet")
+    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    gsm8k.write_rows([{**r, "extra_info": {**r["extra_info"], "interaction_kwargs": {"name": "nosuch"}}} for r in rows],
+                     d / "unknown_interaction.parquet")
+    unknown_tool = {"nosuch_tool": {"create_kwargs": {"x": "1"}}}
+    gsm8k.write_rows([{**r, "extra_info": {**r["extra_info"], "tools_kwargs": unknown_tool}} for r in rows],
+                     d / "unknown_tool.parquet")
     base = ["--config-name", "cpu_tiny", f"actor_rollout_ref.model.path={tiny_model_dir}",
             f"data.train_files=[{d / 'train.parquet'}]", f"trainer.default_local_dir={d / 'out'}"]
     return d, base
 
 
-def _line(argv: list[str]) -> str | None:
-    """The one line the entry point prints for `argv` before Ray, or None when it would start."""
+def _lines(argv: list[str]) -> list[str] | None:
+    """The lines the entry point prints for `argv` before Ray (after `polyturn: error: `), or None when it would
+    start."""
     from recipe.main_ppo import USER_ERRORS, prepare
 
     try:
         cfg, _, _ = launch.load(argv)
         prepare(cfg)
     except USER_ERRORS as err:
-        return launch.one_line(err)
+        return problem_lines(err)
     return None
 
 
@@ -159,26 +179,108 @@ def _argv(base: list[str], args: list[str], d: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def lines(setup) -> list[tuple[str, list[str], str | None]]:
-    """Every mistake with the line it gets, in one process."""
+    """Every mistake with the line it gets (None: accepted; several lines joined by a newline), in one process."""
     d, base = setup
-    return [(name, args, _line(_argv(base, args, d))) for name, args, _ in MISTAKES]
+    got = [(name, args, _lines(_argv(base, args, d))) for name, args, _ in MISTAKES]
+    return [(name, args, None if said is None else "\n".join(said)) for name, args, said in got]
 
 
 @pytest.mark.unit
 def test_the_base_line_starts(setup):
     """Contract: the base line of the mistakes below passes every check (so each mistake is what is refused)."""
     d, base = setup
-    assert _line(base) is None
+    assert _lines(base) is None
 
 
 @pytest.mark.unit
-def test_every_launch_mistake_is_one_line_naming_the_key_and_fix(lines):
-    """Contract: each of the 30+ launch mistakes is refused before Ray with ONE line that holds the words listed for
-    it (the key or file, and the fix)."""
-    assert len(MISTAKES) >= 30
+def test_every_launch_mistake_is_one_line_naming_the_key_and_fix(lines, setup):
+    """Contract: each of the 50 launch mistakes is refused before Ray with ONE line that holds the words listed for
+    it (the key or file, and the fix), the data files' mistakes (a missing column, a jsonl, an unknown tool or
+    interaction in a row, every prompt too long) among them."""
+    assert len(MISTAKES) >= 50
     for (name, _, want), (_, _, got) in zip(MISTAKES, lines):
         assert got is not None, f"{name}: accepted"
-        assert "\n" not in got and want in got, f"{name}: {got!r}"
+        assert "\n" not in got and want.format(d=setup[0]) in got, f"{name}: {got!r}"
+
+
+# (mistakes, their arguments after the base line, the start of each line printed, in order)
+SEVERAL = [
+    ("a misspelt key, a missing data file and bad values in two sections",
+     ["trainer.total_trainig_steps=3", "data.train_files=[{d}/nowhere.parquet]", "trainer.max_failed_fraction=2",
+      "async_training.staleness_threshold=-1"],
+     ["unknown config key trainer.total_trainig_steps; did you mean trainer.total_training_steps?",
+      "data.train_files='{d}/nowhere.parquet': no such file or directory", "trainer.max_failed_fraction is 2.0",
+      "async_training.staleness_threshold=-1.0; it must be >= 0"]),
+    ("a placement that cannot fit, a model layout, a malformed tool YAML, a misspelt reward function and a data file "
+     "with an unknown interaction",
+     ["actor_rollout_ref.rollout.tensor_model_parallel_size=3", "actor_rollout_ref.actor.megatron.pipeline_model_"
+      "parallel_size=1", "trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
+      "actor_rollout_ref.rollout.multi_turn.tool_config_path={d}/bad_tool.yaml",
+      "custom_reward_function.path={d}/reward.py", "custom_reward_function.name=score",
+      "data.train_files=[{d}/unknown_interaction.parquet]"],
+     ["actor_rollout_ref.rollout.tensor_model_parallel_size=3 does not divide trainer.n_gpus_per_node=4",
+      "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4 does not divide the model's num_key_value_heads",
+      "{d}/bad_tool.yaml: line 4 is not valid YAML", "custom_reward_function.name='score'"]),
+]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name, args, want", SEVERAL, ids=[s[0] for s in SEVERAL])
+def test_several_mistakes_are_all_refused_in_one_run(setup, name, args, want):
+    """Contract: one launch line with several independent mistakes is refused with every one of them, one line each,
+    in one run (not one per run); a check that needs a refused one's result is skipped (no data check without the
+    tool registry it validates rows against)."""
+    d, base = setup
+    got = _lines(_argv(base, args, d))
+    assert got is not None and len(got) == len(want), got
+    for start in want:
+        assert [line for line in got if line.startswith(start.format(d=d))], (start, got)
+    assert not [line for line in got if "\n" in line]
+
+
+# (SFT mistake, its arguments after the SFT base line ({d}: the test's directory), words the line must hold)
+SFT_MISTAKES = [
+    ("SFT file without messages", ["data.train_files=[{d}/sft_no_messages.parquet]"],
+     "data.train_files: {d}/sft_no_messages.parquet[0]: no 'messages' column (columns: ['text']); set "
+     "data.multiturn.messages_key"),
+    ("SFT batch larger than the data", ["data.train_batch_size=8"],
+     "data.train_files hold 2 rows, fewer than one batch of data.train_batch_size=8; lower it or add rows"),
+]
+
+
+@pytest.mark.unit
+def test_sft_data_mistakes_are_one_line_each(setup, tiny_model_dir):
+    """Contract: the SFT entry's data mistakes are refused before Ray with one line naming the key and the fix (no
+    traceback), all in one run: `recipe.main_sft.prepare` loads the data the run trains on."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from recipe.main_ppo import USER_ERRORS
+    from recipe.main_sft import prepare
+    from recipe.sft_config import SFT
+
+    d = setup[0]
+    chat = [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"}]
+    pq.write_table(pa.Table.from_pylist([{"messages": chat}] * 2), d / "sft.parquet")
+    pq.write_table(pa.Table.from_pylist([{"text": "1 + 1 = 2"}] * 2), d / "sft_no_messages.parquet")
+    base = [f"model.partial_pretrain={tiny_model_dir}", f"data.train_files=[{d / 'sft.parquet'}]",
+            "data.train_batch_size=2", f"trainer.default_local_dir={d / 'sft_out'}"]
+
+    def lines(args: list[str]) -> list[str] | None:
+        try:
+            prepare(launch.load(_argv(["-", "-", *base], args, d)[2:], SFT)[0])
+        except USER_ERRORS as err:
+            return problem_lines(err)
+        return None
+
+    assert lines([]) is None
+    for name, args, want in SFT_MISTAKES:
+        got = lines(args)
+        assert got is not None and len(got) == 1 and want.format(d=d) in got[0], (name, got)
+    both = lines(["data.train_files=[{d}/sft_no_messages.parquet]", "data.val_files=[{d}/sft.parquet]",
+                  "data.train_batch_size=4", "trainer.n_gpus_per_node=4"])
+    assert both is not None and len(both) == 2 and "no 'messages' column" in both[0], both
+    assert both[1] == "data.val_files hold 2 rows, fewer than the 4 data-parallel ranks; add rows"
 
 
 def _table(lines, d: Path, model: Path) -> str:
@@ -212,16 +314,19 @@ def _run(argv: list[str], **env: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.integration
 def test_the_entry_point_prints_one_line_and_exits_2(setup):
-    """Contract: `python -m recipe.main_ppo` with a mistake found inside Hydra's app (a batch larger than the data,
-    the last check before Ray) exits 2, printing one `polyturn: error:` line and no traceback, and starts nothing
-    (no metrics, no Ray)."""
+    """Contract: `python -m recipe.main_ppo` with mistakes found inside Hydra's app (a batch larger than the data,
+    the last check before Ray, and a misspelt reward function) exits 2, printing one `polyturn: error:` line for each
+    and no traceback, and starts nothing (no metrics, no Ray)."""
     d, base = setup
-    proc = subprocess.run([sys.executable, "-m", "recipe.main_ppo", *base, "data.train_batch_size=8"], cwd=REPO,
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "HYDRA_FULL_ERROR": "0"})
+    proc = subprocess.run([sys.executable, "-m", "recipe.main_ppo", *base, "data.train_batch_size=8",
+                           f"custom_reward_function.path={d}/reward.py", "custom_reward_function.name=score"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HYDRA_FULL_ERROR": "0"})
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("polyturn: error: ")]
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert errors == ["polyturn: error: data.train_batch_size=8 exceeds the 4 prompts loaded from data.train_files "
-                      "(after dropping prompts over data.max_prompt_length); lower it to <= 4"], proc.stderr[-2000:]
+    assert len(errors) == 2 and errors[0].startswith("polyturn: error: custom_reward_function.name='score'")
+    assert errors[1] == ("polyturn: error: data.train_batch_size=8 exceeds the 4 prompts loaded from data.train_files "
+                         "(after dropping prompts over data.max_prompt_length); lower it to <= 4"), proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr + proc.stdout and "ray" not in proc.stderr.lower()
     assert not (d / "out" / "metrics.jsonl").exists()
 

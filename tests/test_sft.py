@@ -144,9 +144,11 @@ def test_sft_config_surface_and_errors_name_the_key(tmp_path):
             f"model.partial_pretrain={tmp_path}"]
     with pytest.raises(ConfigError, match=r"unknown config key data.max_lenght; did you mean data.max_length\?"):
         launch.prepare(["--config-name", "sft_trainer", "data.max_lenght=5"], SFT)
-    with pytest.raises(ConfigError, match=r"^optim.betas=\[0.9, 0.95\]: use optim.adam_beta1 and optim.adam_beta2 \| "
-                                          r"data.prompt_key=q: polyturn's SFT is multi-turn only"):
+    with pytest.raises(ConfigError) as refused:
         launch.prepare(["optim.betas=[0.9,0.95]", "data.prompt_key=q"], SFT)
+    assert refused.value.problems == ["optim.betas=[0.9, 0.95]: use optim.adam_beta1 and optim.adam_beta2",
+                                      "data.prompt_key=q: polyturn's SFT is multi-turn only: write rows as a messages "
+                                      "column (data.multiturn.messages_key)"]
     seeded = launch.load([*base, "trainer.seed=3", "model.enable_gradient_checkpointing=true"], SFT)[0]
     assert seeded.seed == 3 and seeded.megatron.override_transformer_config == FULL_RECOMPUTE
     with pytest.raises(ConfigError, match=r"data.truncation='left'"):

@@ -46,13 +46,20 @@ class PromptBatch:
 
 def read_parquet_rows(files: Sequence[str | Path]) -> list[tuple[str, dict[str, Any]]]:
     """All rows of `files`, each with its `file[row]` location for error messages."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     rows = []
     for f in files:
         if not Path(f).is_file():
             raise FileNotFoundError(f"data file {f} not found; preprocess the data first (e.g. python -m recipe.tasks.gsm8k)")
-        rows.extend((f"{f}[{i}]", row) for i, row in enumerate(pq.read_table(str(f)).to_pylist()))
+        try:
+            table = pq.read_table(str(f))
+        except pa.ArrowInvalid as err:  # a jsonl, a csv ...: verl reads parquet only, and so does polyturn
+            raise ValueError(f"{f} is not a parquet file ({type(err).__name__}: no parquet footer); verl's rows are "
+                             f"read from parquet: convert it, e.g. pandas.read_json('{Path(f).name}', lines=True)"
+                             f".to_parquet('{Path(f).stem}.parquet')") from err
+        rows.extend((f"{f}[{i}]", row) for i, row in enumerate(table.to_pylist()))
     return rows
 
 
@@ -102,9 +109,11 @@ class RLDataset:
             logger.warning("rows carry %s but none are configured; ignoring them", kind)
         if overlong:
             logger.warning("dropped %d prompts longer than data.max_prompt_length=%s", overlong, max_prompt_length)
+        if overlong and not self.items:
+            raise ValueError(f"all {overlong} prompts of {list(files)} are longer than data.max_prompt_length="
+                             f"{max_prompt_length} tokens (chat template and tool schemas included); raise it")
         if not self.items:
-            raise ValueError(f"no usable rows in {list(files)} (after dropping {overlong} overlong prompts); "
-                             "check the files or raise data.max_prompt_length")
+            raise ValueError(f"no rows in {list(files)}; check the files")
 
     @staticmethod
     def _validate(where: str, row: dict[str, Any], tools: ToolRegistry, interactions: InteractionRegistry,
@@ -127,7 +136,8 @@ class RLDataset:
             if prompt.interaction_kwargs:
                 interactions.validate_sample(prompt.interaction_kwargs)
         except (ValueError, KeyError) as err:
-            raise ValueError(f"{where}: {err}") from err
+            message = str(err)
+            raise ValueError(message if where in message else f"{where}: {message}") from err
         return prompt
 
     def __len__(self) -> int:

@@ -180,9 +180,8 @@ def _algorithm() -> dict[str, Rule]:
         f"{rc}.bypass_mode": only("old log-probs are always recomputed by the trainer (the decoupled mode); drop the "
                                   "key", False),
         f"{rc}.use_policy_gradient": only("the policy loss is always PPO's clipped surrogate; drop the key", False),
-        f"{rc}.loss_type": only("the policy loss is always PPO's clipped surrogate (verl's ppo_clip); drop the key",
-                                "ppo_clip"),
-        f"{rc}.rollout_is_batch_normalize": only("IS weights are not renormalised to mean 1; drop the key", False),
+        f"{rc}.loss_type": no_effect("verl reads it only with bypass_mode=True (refused here); the policy loss is PPO's "
+                                     "clipped surrogate", "ppo_clip"),
         "algorithm.filter_groups.max_inflight_gen_batches": no_effect(
             "how many extra batches verl generates at once; which groups are kept is the same", 1),
         "algorithm.use_pf_ppo": only("PF-PPO's reweighting is not built; drop the key", False),

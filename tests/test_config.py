@@ -56,6 +56,7 @@ algorithm.kl_ctrl.target_kl algorithm.kl_ctrl.type algorithm.kl_penalty algorith
 algorithm.use_kl_in_reward algorithm.rollout_correction.rollout_is algorithm.rollout_correction.rollout_is_threshold
 algorithm.rollout_correction.rollout_rs algorithm.rollout_correction.rollout_rs_threshold
 algorithm.rollout_correction.rollout_rs_threshold_lower algorithm.rollout_correction.rollout_token_veto_threshold
+algorithm.rollout_correction.rollout_is_batch_normalize
 algorithm.filter_groups.enable algorithm.filter_groups.metric algorithm.filter_groups.max_num_gen_batches
 critic.cliprange_value critic.loss_agg_mode critic.loss_scale_factor critic.optim.adam_beta1 critic.optim.adam_beta2
 critic.optim.adam_eps critic.optim.clip_grad critic.optim.lr critic.optim.lr_decay_steps critic.optim.lr_decay_style

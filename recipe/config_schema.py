@@ -416,6 +416,8 @@ class PPOConfig:
         self.custom_reward_function.path = resolve_path(self.custom_reward_function.path, "custom_reward_function.path")
         for role, worker in self.workers().items():
             self.trainer.dp_size(worker.megatron, f"{ROLE_KEYS[role]}.megatron")
+            if getattr(worker, "loss_scale_factor", 0) is None:  # verl's horizon: the width it pads responses to
+                worker.loss_scale_factor = float(rollout.response_length)
         for role, worker in self.workers().items():
             if worker.optim is None:  # the reference trains nothing: any batch of whole rows splits (batch_multiple)
                 continue

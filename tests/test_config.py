@@ -124,6 +124,20 @@ def build(overrides: list[str], data_file: str, preset: str = "cpu_tiny") -> PPO
 
 
 @pytest.mark.unit
+def test_sum_norm_without_a_horizon_divides_by_the_padded_response_length(data_file):
+    """Contract (verl v0.9's agg_loss): seq-mean-token-sum-norm with no loss_scale_factor divides by the padded
+    response width, which verl's agent loop pads to rollout.response_length: the actor's and critic's horizon
+    becomes that length (a given one stays)."""
+    sum_norm = ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.adv_estimator=gae",
+                "critic.loss_agg_mode=seq-mean-token-sum-norm", "data.max_response_length=48"]
+    cfg = build(sum_norm, data_file)
+    assert cfg.actor_rollout_ref.rollout.response_length == 48
+    assert (cfg.actor_rollout_ref.actor.loss_scale_factor, cfg.critic.loss_scale_factor) == (48.0, 48.0)
+    cfg = build([*sum_norm, "actor_rollout_ref.actor.loss_scale_factor=7"], data_file)
+    assert cfg.actor_rollout_ref.actor.loss_scale_factor == 7.0
+
+
+@pytest.mark.unit
 def test_config_surface_is_frozen():
     """Contract: the accepted keys (schema) are exactly the frozen list, and the composed base config (the
     dataclasses' defaults registered with Hydra, plus ppo_trainer.yaml) holds every one of them, and no other."""
@@ -273,7 +287,7 @@ BAD = [
     (["+actor_rollout_ref.actor.ppo_epoch=1"],
      r"unknown config key.*actor_rollout_ref\.actor\.ppo_epoch'\]; did you mean actor_rollout_ref\.actor\.ppo_epochs\?"),
     (["algorithm.adv_estimator=ppo"], r"algorithm.adv_estimator is 'ppo'; use one of"),
-    (["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"], r"loss_scale_factor is None.*fixed horizon"),
+    (["actor_rollout_ref.actor.loss_scale_factor=0"], r"actor.loss_scale_factor is 0.0; give a horizon > 0"),
     (["trainer.logger=[console,tensorboard]"], r"trainer.logger has \['tensorboard'\]"),
     (["actor_rollout_ref.model.build_tiny=false"], r"actor_rollout_ref.model.path is not set.*model.path="),
     (["actor_rollout_ref.model.path=/nowhere/model", "actor_rollout_ref.model.build_tiny=false"],

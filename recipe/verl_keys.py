@@ -152,7 +152,11 @@ def _reward() -> dict[str, Rule]:
     """verl v0.9's `reward.*` section (and its old top-level `reward_model.*`, `sandbox_fusion.*`)."""
     return {
         **{f"reward.custom_reward_function.{k}": Rule("verl v0.9's place of the scorer",
-                                                      rename=f"custom_reward_function.{k}") for k in ("path", "name")},
+                                                      rename=f"custom_reward_function.{k}")
+           for k in ("path", "name", "reward_kwargs")},
+        **{f"{s}.reward_kwargs": no_effect("read only by verl's dapo / limited reward managers (refused by "
+                                           "reward.reward_manager.name here); the scorer's own arguments are "
+                                           "custom_reward_function.reward_kwargs") for s in ("reward", "reward_model")},
         "reward.num_workers": no_effect("rewards are computed in the trainer's process"),
         "reward.reward_manager.source": only("rewards come from recipe.reward (verl's naive manager); drop the key",
                                              "register"),

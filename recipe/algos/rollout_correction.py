@@ -52,6 +52,12 @@ class RsOption:
     lower: float | None = None
 
 
+def _items(value: str | float | list) -> list[str]:
+    """A comma-separated string or a list -> its stripped, non-empty items as strings."""
+    parts = value if isinstance(value, list) else str(value).split(",")
+    return [str(p).strip() for p in parts if str(p).strip()]
+
+
 def parse_bounds(spec: str | float, key: str) -> tuple[float | None, float]:
     """`2.0` or "2.0" -> (None, 2.0); "0.5_2.0" -> (0.5, 2.0). Bounds must be positive, lower <= upper."""
     text = str(spec).strip()
@@ -76,12 +82,13 @@ class RolloutCorrectionConfig:
     outside [lower, upper] becomes 0."""
     rollout_is_batch_normalize: bool = False
     """Divide the IS weights by their batch mean (tokens; samples for "sequence"), so they average 1."""
-    rollout_rs: str | None = None
-    """Rejection: None (off) or verl v0.9's options, comma-separated (token_k1..3, seq_sum_k1..3, seq_mean_k1..3,
-    seq_max_k2..3); older names token, sequence, geometric = token_k1, seq_sum_k1, seq_mean_k1."""
-    rollout_rs_threshold: str | float | None = None
-    """One bound per rollout_rs option (comma-separated, or one for all): k1 options "lower_upper" or an upper
-    (lower = 1 / upper); k2 / k3 options an upper. Required when rollout_rs is set."""
+    rollout_rs: str | list | None = None
+    """Rejection: None (off) or verl v0.9's options, comma-separated (quoted on the command line) or a list
+    (token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2..3); older names token, sequence, geometric =
+    token_k1, seq_sum_k1, seq_mean_k1."""
+    rollout_rs_threshold: str | float | list | None = None
+    """One bound per rollout_rs option (comma-separated, a list, or one for all): k1 options "lower_upper" or an
+    upper (lower = 1 / upper); k2 / k3 options an upper. Required when rollout_rs is set."""
     rollout_rs_threshold_lower: float | None = None
     """Older verl's lower bound of the ratio trainer / engine for an older rollout_rs name; None: 1 / upper."""
     rollout_token_veto_threshold: float | None = None
@@ -106,7 +113,7 @@ class RolloutCorrectionConfig:
             if self.rollout_rs_threshold_lower is not None:
                 raise ValueError(f"{_KEY}.rollout_rs_threshold_lower is set without rollout_rs; drop it")
             return []
-        names = list(dict.fromkeys(n.strip() for n in self.rollout_rs.split(",") if n.strip()))
+        names = list(dict.fromkeys(_items(self.rollout_rs)))
         bad = [n for n in names if n not in RS_OPTIONS and n not in OLD_RS]
         if bad or not names:
             raise ValueError(f"{_KEY}.rollout_rs is {self.rollout_rs!r}; use null or comma-separated options of "
@@ -114,7 +121,7 @@ class RolloutCorrectionConfig:
         if self.rollout_rs_threshold is None:
             raise ValueError(f"{_KEY}.rollout_rs={self.rollout_rs} needs rollout_rs_threshold (e.g. 2.0, or "
                              "0.5_2.0 for a k1 option)")
-        specs = [s.strip() for s in str(self.rollout_rs_threshold).split(",") if s.strip()]
+        specs = _items(self.rollout_rs_threshold)
         if len(specs) not in (1, len(names)):
             raise ValueError(f"{_KEY}.rollout_rs_threshold has {len(specs)} values for {len(names)} rollout_rs "
                              "options; give one for all or one per option")

@@ -288,7 +288,7 @@ BAD = [
      r"unknown config key.*actor_rollout_ref\.actor\.ppo_epoch'\]; did you mean actor_rollout_ref\.actor\.ppo_epochs\?"),
     (["algorithm.adv_estimator=ppo"], r"algorithm.adv_estimator is 'ppo'; use one of"),
     (["actor_rollout_ref.actor.loss_scale_factor=0"], r"actor.loss_scale_factor is 0.0; give a horizon > 0"),
-    (["trainer.logger=[console,tensorboard]"], r"trainer.logger has \['tensorboard'\]"),
+    (["trainer.logger=[console,mlflow]"], r"trainer.logger has \[.mlflow.\]"),
     (["actor_rollout_ref.model.build_tiny=false"], r"actor_rollout_ref.model.path is not set.*model.path="),
     (["actor_rollout_ref.model.path=/nowhere/model", "actor_rollout_ref.model.build_tiny=false"],
      r"actor_rollout_ref.model.path='/nowhere/model': no such file"),

@@ -40,6 +40,7 @@ from recipe.config_schema import (
     is_hub_id,
 )
 from recipe.data.dataset import PromptBatch, RLDataset
+from recipe.data.samples import take_samples
 from recipe.flops import MFU
 from recipe.logs import setup_logging
 from recipe.memory_plan import check_memory, driver_gpu_bytes
@@ -198,12 +199,16 @@ def prepare(cfg: PPOConfig) -> Prepared:
     default_agent = cfg.actor_rollout_ref.rollout.agent.default_agent_loop  # rows without agent_name
     dataset = RLDataset(cfg.data.train_files, tools, interactions, tokenizer=tokenizer,
                         max_prompt_length=cfg.data.max_prompt_length, default_agent=default_agent)
+    dataset.items = take_samples(dataset.items, cfg.data.train_max_samples, shuffle=cfg.data.shuffle,
+                                 seed=cfg.trainer.seed)
     logger.info("data: %d prompts from %s", len(dataset), cfg.data.train_files)
     val_prompts = None
     if cfg.data.val_files:
         val_data = RLDataset(cfg.data.val_files, tools, interactions, tokenizer=tokenizer,
                              max_prompt_length=cfg.data.max_prompt_length, default_agent=default_agent)
-        val_prompts = [dataclasses.replace(p, uid=f"val/{i}") for i, p in enumerate(val_data.items)]
+        val_items = take_samples(val_data.items, cfg.data.val_max_samples, shuffle=cfg.data.shuffle,
+                                 seed=cfg.trainer.seed)
+        val_prompts = [dataclasses.replace(p, uid=f"val/{i}") for i, p in enumerate(val_items)]
         logger.info("validation data: %d prompts from %s", len(val_prompts), cfg.data.val_files)
     preflight.check_data(cfg, len(dataset), {p.data_source for p in dataset.items + (val_prompts or [])})
     return Prepared(plan, resume, state, path, tokenizer, tools, interactions, dataset, val_prompts)

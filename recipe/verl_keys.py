@@ -111,8 +111,6 @@ def _data() -> dict[str, Rule]:
     return {
         "data.tokenizer": only("the tokenizer is read from actor_rollout_ref.model.path; put it there", None),
         "data.use_shm": no_effect("verl's copy of the files into shared memory (load speed)", False),
-        **{f"data.{k}": only("not built: every row of the files is read; cut the parquet file instead", -1, None)
-           for k in ("train_max_samples", "val_max_samples")},
         "data.prompt_key": only("rows keep verl's `prompt` column; rename the column", "prompt"),
         "data.reward_fn_key": only("a row's scorer is picked by its data_source column; rename the column",
                                    "data_source"),
@@ -202,7 +200,6 @@ def _trainer() -> dict[str, Rule]:
         "trainer.balance_batch": no_effect("it reorders samples over data-parallel ranks for speed; the batch is "
                                            "the same"),
         "trainer.esi_redundant_time": no_effect("verl's elastic-instance save timing"),
-        "trainer.val_only": only("a validation-only run is not built; drop the key", False),
         "trainer.default_hdfs_dir": no_effect("checkpoints are written to trainer.default_local_dir only", None),
         "trainer.del_local_ckpt_after_load": no_effect("local checkpoints are kept after a resume", False),
         "trainer.max_critic_ckpt_to_keep": Rule("a checkpoint holds every role, counted by "

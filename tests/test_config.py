@@ -65,6 +65,7 @@ critic.optim.weight_decay critic.ppo_epochs
 critic.ppo_micro_batch_size_per_gpu critic.ppo_mini_batch_size critic.ppo_max_token_len_per_gpu critic.use_dynamic_bsz
 custom_reward_function.name custom_reward_function.path custom_reward_function.reward_kwargs
 data.max_prompt_length data.max_response_length data.shuffle data.train_batch_size data.train_files
+data.train_max_samples data.val_max_samples trainer.val_only
 ray_init.num_cpus ray_init.temp_dir
 reward.interaction_weight reward.outcome_weight reward.tool_final_weight reward.tool_weight
 trainer.default_local_dir trainer.experiment_name trainer.logger trainer.n_gpus_per_node trainer.nnodes

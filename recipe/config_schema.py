@@ -54,6 +54,11 @@ class DataConfig(DataFiles):
     """Response-token budget per trajectory (sampled + tool + user tokens); rollout.response_length follows it."""
     shuffle: bool = True
     """Reshuffle the prompts every epoch (seeded by trainer.seed)."""
+    train_max_samples: int = -1
+    """Read only this many training prompts (the first, or a draw seeded by trainer.seed with shuffle:
+    recipe/data/samples.py); -1: all."""
+    val_max_samples: int = -1
+    """Likewise for the validation prompts; -1: all."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -194,6 +199,8 @@ class TrainerConfig(RunConfig):
 
     val_before_train: bool = True
     """Validate once before the first step (when data.val_files is set)."""
+    val_only: bool = False
+    """Validate once (with val_before_train) and stop without training (verl's val_only)."""
     log_val_generations: int = 0
     """Validation samples logged as a table (`val/generations`) at each validation; 0: none."""
     rollout_data_dir: str | None = None
@@ -393,6 +400,9 @@ class PPOConfig:
         if (t.test_freq > 0 or t.log_val_generations or t.validation_data_dir) and not self.data.val_files:
             raise ConfigError("trainer.test_freq / log_val_generations / validation_data_dir ask for validation but "
                               "data.val_files is empty; set data.val_files=[path/to/test.parquet] or drop them")
+        if t.val_only and not (t.val_before_train and self.data.val_files):
+            raise ConfigError("trainer.val_only=True validates once before training and stops: it needs "
+                              "trainer.val_before_train=True and data.val_files; set them or drop trainer.val_only")
         schedule = self.async_training.schedule
         if self.async_training.separate_pool and self.actor_rollout_ref.hybrid_engine:
             raise ConfigError(f"async_training.schedule={schedule} rolls out while the trainer trains, so the engines "
@@ -416,6 +426,8 @@ class PPOConfig:
         self.custom_reward_function.path = resolve_path(self.custom_reward_function.path, "custom_reward_function.path")
         for role, worker in self.workers().items():
             self.trainer.dp_size(worker.megatron, f"{ROLE_KEYS[role]}.megatron")
+            if getattr(worker, "loss_scale_factor", 0) is None:  # verl's horizon: the width it pads responses to
+                worker.loss_scale_factor = float(rollout.response_length)
         for role, worker in self.workers().items():
             if worker.optim is None:  # the reference trains nothing: any batch of whole rows splits (batch_multiple)
                 continue

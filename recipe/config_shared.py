@@ -6,6 +6,8 @@ Importing this module loads nothing heavy.
 """
 from __future__ import annotations
 
+import importlib.util
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,7 @@ from typing import Any
 from recipe.config_build import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-LOGGERS = ("console", "wandb")
+LOGGERS = ("console", "wandb", "tensorboard")
 
 
 def resolve_path(value: str | None, key: str, must_exist: bool = True) -> str | None:
@@ -83,7 +85,8 @@ class RunConfig:
     experiment_name: str = "gsm8k"
     """Run name (wandb run)."""
     logger: list[str] = field(default_factory=lambda: ["console", "wandb"])
-    """Metric sinks, any of console, wandb (verl's `trainer.logger=console` means [console])."""
+    """Metric sinks, any of console, wandb, tensorboard (verl's `trainer.logger=console` means [console]);
+    tensorboard writes under $TENSORBOARD_DIR, else <default_local_dir>/tensorboard."""
     total_training_steps: int | None = None
     """Steps to train; None: trainer.total_epochs passes over the training data."""
     total_epochs: int = 1
@@ -104,6 +107,10 @@ class RunConfig:
         unknown = [x for x in self.logger if x not in LOGGERS]
         if unknown:
             raise ConfigError(f"trainer.logger has {unknown}; use a list of {LOGGERS}, e.g. trainer.logger=[console,wandb]")
+        if "tensorboard" in self.logger and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError(f"trainer.logger={self.logger} includes tensorboard, whose package is not installed "
+                              "(torch.utils.tensorboard needs it): pip install tensorboard, or drop tensorboard from "
+                              "trainer.logger")
         for key in ("total_training_steps", "total_epochs", "n_gpus_per_node", "nnodes"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"trainer.{key} is {getattr(self, key)}; it must be >= 1")

@@ -93,6 +93,17 @@ def _rule(key: str, verl_keys: dict[str, Rule]) -> Rule | None:
     return verl_keys.get(f"*.{parts[-1]}")
 
 
+def _renamed(key: str, rule: Rule | None, verl_keys: dict[str, Rule]) -> str:
+    """Where `key`'s value goes: its rule's rename (a key under a renamed section keeps its tail), else `key`."""
+    if rule is None or not rule.rename:
+        return key
+    parts = key.split(".")
+    for i in range(len(parts), 0, -1):
+        if verl_keys.get(".".join(parts[:i])) is rule:
+            return ".".join([rule.rename, *parts[i:]])
+    return rule.rename
+
+
 @dataclass
 class Launch:
     """A command line, read: the preset, Hydra's own flags, the overrides Hydra gets, and what the verl keys became."""
@@ -188,7 +199,7 @@ def prepare(argv: list[str], entry: Entry | None = None, *, collect: list[str] |
             continue
         value = override.value()
         rule = None if key in known else _rule(key, entry.verl_keys)  # a polyturn key under a verl section is ours
-        target = rule.rename if rule is not None and rule.rename else key
+        target = _renamed(key, rule, entry.verl_keys)
         if target in seen:
             refused.append(f"{target} is given twice ({seen[target]} and {arg}); keep one")
             continue
@@ -208,7 +219,7 @@ def prepare(argv: list[str], entry: Entry | None = None, *, collect: list[str] |
                 refused.append(f"unknown config key {key}" + (f"; did you mean {near}?" if near else
                                                                 f"; see {keys_file} for the keys"))
         elif rule.rename:
-            launch.overrides.append(f"{rule.rename}={arg.split('=', 1)[1]}")
+            launch.overrides.append(f"{'++' if target != rule.rename else ''}{target}={arg.split('=', 1)[1]}")
         elif rule.same_as is not None:
             launch.same_as.append((key, value, rule.same_as, rule.why))
         elif rule.accept is None or value in rule.accept:

@@ -41,6 +41,7 @@ from recipe.config_schema import (
     is_hub_id,
 )
 from recipe.data.dataset import PromptBatch, RLDataset
+from recipe.data.samples import take_samples
 from recipe.flops import MFU
 from recipe.logs import setup_logging
 from recipe.memory_plan import check_memory, driver_gpu_bytes
@@ -242,11 +243,14 @@ def _data(cfg: PPOConfig, tokenizer: Any, tools: Any, interactions: Any) -> tupl
     dataset = problems.check(load, "data.train_files", cfg.data.train_files)
     val_data = problems.check(load, "data.val_files", cfg.data.val_files) if cfg.data.val_files else None
     problems.raise_all()
+    dataset.items = take_samples(dataset.items, cfg.data.train_max_samples, shuffle=cfg.data.shuffle,
+                                 seed=cfg.trainer.seed)
     logger.info("data: %d prompts from %s", len(dataset), cfg.data.train_files)
     if val_data is None:
         return dataset, None
-    logger.info("validation data: %d prompts from %s", len(val_data), cfg.data.val_files)
-    return dataset, [dataclasses.replace(p, uid=f"val/{i}") for i, p in enumerate(val_data.items)]
+    val_items = take_samples(val_data.items, cfg.data.val_max_samples, shuffle=cfg.data.shuffle, seed=cfg.trainer.seed)
+    logger.info("validation data: %d prompts from %s", len(val_items), cfg.data.val_files)
+    return dataset, [dataclasses.replace(p, uid=f"val/{i}") for i, p in enumerate(val_items)]
 
 
 def build(cfg: PPOConfig, config_dict: dict | None = None,

@@ -1,4 +1,5 @@
-"""Metrics sinks: console (logging), wandb, and a jsonl file that is always written; the run's record files.
+"""Metrics sinks: console (logging), wandb, tensorboard, and a jsonl file that is always written; the run's record
+files.
 
 `Tracking.log(metrics, step)` sends one step's flat `{"rollout/...": x, "actor/...": y}` dict to
 every configured sink. The jsonl file (`metrics.jsonl` in the run's output dir, one object per
@@ -18,6 +19,10 @@ wandb follows its own environment: `WANDB_MODE=offline` (the tests) writes the r
 no login, set WANDB_MODE=offline yourself (`wandb_login_problem` says so before Ray starts). A resumed run
 passes the saved `run_id` and continues that wandb run (`resume="allow"`). `log_table` sends a few sample
 trajectories as a wandb table (and logs their count on the console).
+
+tensorboard (verl's sink of that name): torch.utils.tensorboard's SummaryWriter writes each step's scalars under
+$TENSORBOARD_DIR (verl's variable), else `<dir>/tensorboard`; the config refuses the sink before Ray when the
+`tensorboard` package is missing.
 """
 from __future__ import annotations
 
@@ -127,6 +132,11 @@ class Tracking:
         self._jsonl = self.jsonl_path.open("a", encoding="utf-8")
         self.console = "console" in loggers
         self.wandb_run = None
+        self.tensorboard = None
+        if "tensorboard" in loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(os.environ.get("TENSORBOARD_DIR") or str(self.out_dir / "tensorboard"))
         if "wandb" in loggers:
             import wandb
 
@@ -166,6 +176,9 @@ class Tracking:
             logger.info("%s", console_line(clean, step))
         if self.wandb_run is not None:
             self.wandb_run.log(clean, step=step)
+        if self.tensorboard is not None:
+            for k, v in clean.items():
+                self.tensorboard.add_scalar(k, v, step)
 
     def log_table(self, name: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
         """A small table of examples (wandb only; the console gets a one-line note)."""
@@ -179,6 +192,9 @@ class Tracking:
     def finish(self) -> None:
         """Flush and close every sink."""
         self._jsonl.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
         if self.wandb_run is not None:
             import wandb
 

@@ -122,6 +122,8 @@ class Trainer:
         the last one."""
         if self.validator is not None and self.cfg.trainer.val_before_train:
             self.validate(self.global_step)
+        if self.cfg.trainer.val_only:  # verl's val_only: the validation above, no training
+            return
         steps = tqdm(range(self.global_step + 1, self.total_steps + 1), desc="training", unit="step",
                      initial=self.global_step, total=self.total_steps, disable=None)  # None: off unless a tty
         try:

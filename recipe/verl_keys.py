@@ -111,8 +111,6 @@ def _data() -> dict[str, Rule]:
     return {
         "data.tokenizer": only("the tokenizer is read from actor_rollout_ref.model.path; put it there", None),
         "data.use_shm": no_effect("verl's copy of the files into shared memory (load speed)", False),
-        **{f"data.{k}": only("not built: every row of the files is read; cut the parquet file instead", -1, None)
-           for k in ("train_max_samples", "val_max_samples")},
         "data.prompt_key": only("rows keep verl's `prompt` column; rename the column", "prompt"),
         "data.reward_fn_key": only("a row's scorer is picked by its data_source column; rename the column",
                                    "data_source"),
@@ -152,7 +150,11 @@ def _reward() -> dict[str, Rule]:
     """verl v0.9's `reward.*` section (and its old top-level `reward_model.*`, `sandbox_fusion.*`)."""
     return {
         **{f"reward.custom_reward_function.{k}": Rule("verl v0.9's place of the scorer",
-                                                      rename=f"custom_reward_function.{k}") for k in ("path", "name")},
+                                                      rename=f"custom_reward_function.{k}")
+           for k in ("path", "name", "reward_kwargs")},
+        **{f"{s}.reward_kwargs": no_effect("read only by verl's dapo / limited reward managers (refused by "
+                                           "reward.reward_manager.name here); the scorer's own arguments are "
+                                           "custom_reward_function.reward_kwargs") for s in ("reward", "reward_model")},
         "reward.num_workers": no_effect("rewards are computed in the trainer's process"),
         "reward.reward_manager.source": only("rewards come from recipe.reward (verl's naive manager); drop the key",
                                              "register"),
@@ -180,9 +182,8 @@ def _algorithm() -> dict[str, Rule]:
         f"{rc}.bypass_mode": only("old log-probs are always recomputed by the trainer (the decoupled mode); drop the "
                                   "key", False),
         f"{rc}.use_policy_gradient": only("the policy loss is always PPO's clipped surrogate; drop the key", False),
-        f"{rc}.loss_type": only("the policy loss is always PPO's clipped surrogate (verl's ppo_clip); drop the key",
-                                "ppo_clip"),
-        f"{rc}.rollout_is_batch_normalize": only("IS weights are not renormalised to mean 1; drop the key", False),
+        f"{rc}.loss_type": no_effect("verl reads it only with bypass_mode=True (refused here); the policy loss is PPO's "
+                                     "clipped surrogate", "ppo_clip"),
         "algorithm.filter_groups.max_inflight_gen_batches": no_effect(
             "how many extra batches verl generates at once; which groups are kept is the same", 1),
         "algorithm.use_pf_ppo": only("PF-PPO's reweighting is not built; drop the key", False),
@@ -199,7 +200,6 @@ def _trainer() -> dict[str, Rule]:
         "trainer.balance_batch": no_effect("it reorders samples over data-parallel ranks for speed; the batch is "
                                            "the same"),
         "trainer.esi_redundant_time": no_effect("verl's elastic-instance save timing"),
-        "trainer.val_only": only("a validation-only run is not built; drop the key", False),
         "trainer.default_hdfs_dir": no_effect("checkpoints are written to trainer.default_local_dir only", None),
         "trainer.del_local_ckpt_after_load": no_effect("local checkpoints are kept after a resume", False),
         "trainer.max_critic_ckpt_to_keep": Rule("a checkpoint holds every role, counted by "

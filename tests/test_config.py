@@ -56,6 +56,7 @@ algorithm.kl_ctrl.target_kl algorithm.kl_ctrl.type algorithm.kl_penalty algorith
 algorithm.use_kl_in_reward algorithm.rollout_correction.rollout_is algorithm.rollout_correction.rollout_is_threshold
 algorithm.rollout_correction.rollout_rs algorithm.rollout_correction.rollout_rs_threshold
 algorithm.rollout_correction.rollout_rs_threshold_lower algorithm.rollout_correction.rollout_token_veto_threshold
+algorithm.rollout_correction.rollout_is_batch_normalize
 algorithm.filter_groups.enable algorithm.filter_groups.metric algorithm.filter_groups.max_num_gen_batches
 critic.cliprange_value critic.loss_agg_mode critic.loss_scale_factor critic.optim.adam_beta1 critic.optim.adam_beta2
 critic.optim.adam_eps critic.optim.clip_grad critic.optim.lr critic.optim.lr_decay_steps critic.optim.lr_decay_style
@@ -64,6 +65,7 @@ critic.optim.weight_decay critic.ppo_epochs
 critic.ppo_micro_batch_size_per_gpu critic.ppo_mini_batch_size critic.ppo_max_token_len_per_gpu critic.use_dynamic_bsz
 custom_reward_function.name custom_reward_function.path custom_reward_function.reward_kwargs
 data.max_prompt_length data.max_response_length data.shuffle data.train_batch_size data.train_files
+data.train_max_samples data.val_max_samples trainer.val_only
 ray_init.num_cpus ray_init.temp_dir
 reward.interaction_weight reward.outcome_weight reward.tool_final_weight reward.tool_weight
 trainer.default_local_dir trainer.experiment_name trainer.logger trainer.n_gpus_per_node trainer.nnodes
@@ -120,6 +122,20 @@ def load(preset: str, overrides: list[str]) -> dict:
 
 def build(overrides: list[str], data_file: str, preset: str = "cpu_tiny") -> PPOConfig:
     return PPOConfig.from_dict(load(preset, [f"data.train_files=[{data_file}]", *overrides]))
+
+
+@pytest.mark.unit
+def test_sum_norm_without_a_horizon_divides_by_the_padded_response_length(data_file):
+    """Contract (verl v0.9's agg_loss): seq-mean-token-sum-norm with no loss_scale_factor divides by the padded
+    response width, which verl's agent loop pads to rollout.response_length: the actor's and critic's horizon
+    becomes that length (a given one stays)."""
+    sum_norm = ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.adv_estimator=gae",
+                "critic.loss_agg_mode=seq-mean-token-sum-norm", "data.max_response_length=48"]
+    cfg = build(sum_norm, data_file)
+    assert cfg.actor_rollout_ref.rollout.response_length == 48
+    assert (cfg.actor_rollout_ref.actor.loss_scale_factor, cfg.critic.loss_scale_factor) == (48.0, 48.0)
+    cfg = build([*sum_norm, "actor_rollout_ref.actor.loss_scale_factor=7"], data_file)
+    assert cfg.actor_rollout_ref.actor.loss_scale_factor == 7.0
 
 
 @pytest.mark.unit
@@ -272,8 +288,8 @@ BAD = [
     (["+actor_rollout_ref.actor.ppo_epoch=1"],
      r"unknown config key.*actor_rollout_ref\.actor\.ppo_epoch'\]; did you mean actor_rollout_ref\.actor\.ppo_epochs\?"),
     (["algorithm.adv_estimator=ppo"], r"algorithm.adv_estimator is 'ppo'; use one of"),
-    (["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"], r"loss_scale_factor is None.*fixed horizon"),
-    (["trainer.logger=[console,tensorboard]"], r"trainer.logger has \['tensorboard'\]"),
+    (["actor_rollout_ref.actor.loss_scale_factor=0"], r"actor.loss_scale_factor is 0.0; give a horizon > 0"),
+    (["trainer.logger=[console,mlflow]"], r"trainer.logger has \[.mlflow.\]"),
     (["actor_rollout_ref.model.build_tiny=false"], r"actor_rollout_ref.model.path is not set.*model.path="),
     (["actor_rollout_ref.model.path=/nowhere/model", "actor_rollout_ref.model.build_tiny=false"],
      r"actor_rollout_ref.model.path='/nowhere/model': no such file"),

@@ -64,7 +64,7 @@ MISTAKES = [
     ("FSDP strategy", ["actor_rollout_ref.actor.strategy=fsdp"], "Megatron only"),
     ("global micro-batch size", ["actor_rollout_ref.rollout.log_prob_micro_batch_size=8"], "per-GPU size"),
     ("unknown advantage estimator", ["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator is 'ppo'"),
-    ("unknown logger", ["trainer.logger=tensorboard"], "trainer.logger has ['tensorboard']"),
+    ("unknown logger", ["trainer.logger=mlflow"], "trainer.logger has ['mlflow']"),
     ("mini-batch not dividing the batch", ["actor_rollout_ref.actor.ppo_mini_batch_size=3"],
      "ppo_mini_batch_size=3 does not divide data.train_batch_size=4"),
     ("greedy validation with n > 1", ["actor_rollout_ref.rollout.val_kwargs.n=4"], "do_sample=true"),

@@ -45,6 +45,79 @@ def test_rollout_rs_and_veto_zero_out_what_they_reject():
     assert m["rollout_corr/rollout_veto_fraction"] == 0.5
 
 
+def _rs(rs: str, threshold: object, **kw: object) -> list[list[float]]:
+    """The weights of rejection option(s) `rs` alone on the two samples above."""
+    w, _ = rollout_weights(_OLD, _ROLLOUT, _MASK, RolloutCorrectionConfig(rollout_rs=rs, rollout_rs_threshold=threshold,
+                                                                          **kw))
+    return w.tolist()
+
+
+def test_v0_9_is_threshold_lower_upper_is_icepop_and_batch_normalize_averages_one():
+    """Contract (verl v0.9): rollout_is_threshold "lower_upper" zeroes a weight outside [lower, upper] instead of
+    clamping it (IcePop); rollout_is_batch_normalize divides the weights by their mean over the batch's tokens."""
+    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold="0.5_1.5")
+    w, m = rollout_weights(_OLD, _ROLLOUT, _MASK, cfg)  # ratios e^0.5=1.65, e^-1=0.37, 1 | e^-0.8=0.45, e^0.1
+    torch.testing.assert_close(w, torch.tensor([[0.0, 0.0, 1.0], [0.0, math.exp(0.1), 0.0]]))
+    assert m["rollout_corr/rollout_is_oob_ratio"] == pytest.approx(3 / 5)
+    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True)
+    w, m = rollout_weights(_OLD, _ROLLOUT, _MASK, cfg)
+    raw = [math.exp(0.5), math.exp(-1.0), 1.0, math.exp(-0.8), math.exp(0.1)]
+    mean = sum(raw) / 5
+    torch.testing.assert_close(w, torch.tensor([[r / mean for r in raw[:3]], [raw[3] / mean, raw[4] / mean, 0.0]]))
+    assert m["rollout_corr/rollout_is_batch_norm_factor"] == pytest.approx(mean)
+    cfg = RolloutCorrectionConfig(rollout_is="sequence", rollout_is_batch_normalize=True)  # per sample: e^-0.5, e^-0.7
+    w, _ = rollout_weights(_OLD, _ROLLOUT, _MASK, cfg)
+    mean = (math.exp(-0.5) + math.exp(-0.7)) / 2
+    torch.testing.assert_close(w, torch.tensor([[math.exp(-0.5) / mean] * 3, [math.exp(-0.7) / mean] * 2 + [0.0]]))
+
+
+def test_v0_9_rejection_options_by_hand():
+    """Contract (verl v0.9's rollout_rs options): k1 = -log r, k2 = (log r)^2 / 2, k3 = r - 1 - log r per token, or
+    per sample as their sum / mean / max; k1 keeps log lower <= k1 <= log upper, k2 / k3 keep k <= upper; options
+    joined by commas must all keep a token, one threshold each."""
+    # log r: 0.5, -1.0, 0 | -0.8, 0.1.  k2: 0.125, 0.5, 0 | 0.32, 0.005
+    assert _rs("token_k2", 0.3) == [[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]]
+    assert _rs("seq_max_k2", 0.4) == [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]  # maxima 0.5 | 0.32
+    # k3 means: (e^0.5 - 1.5 + e^-1) / 3 = 0.172 | (e^-0.8 - 0.2 + e^0.1 - 1.1) / 2 = 0.127
+    assert _rs("seq_mean_k3", 0.15) == [[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]]
+    # k1 sums: 0.5 | 0.7; verl's k1 bounds exp(-log r) (engine / trainer): both in [1.5, 2.5] (log: 0.405, 0.916)
+    assert _rs("seq_sum_k1", "1.5_2.5") == [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
+    assert _rs("seq_sum_k1", 1.5) == [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]  # upper alone: [1/1.5, 1.5], log 0.405
+    # token_k1 on exp(-log r) = 0.61, 2.72, 1 | 2.23, 0.90 in [0.4, 1.2]
+    assert _rs("token_k1", "0.4_1.2") == [[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]]
+    assert _rs("token_k2,seq_max_k2", "0.3,0.4") == [[0.0, 0.0, 0.0], [0.0, 1.0, 0.0]]
+    _, m = rollout_weights(_OLD, _ROLLOUT, _MASK, RolloutCorrectionConfig(rollout_rs="token_k2,seq_max_k2",
+                                                                          rollout_rs_threshold="0.3,0.4"))
+    assert m["rollout_corr/rollout_rs_token_k2_masked_fraction"] == pytest.approx(2 / 5)
+    assert m["rollout_corr/rollout_rs_seq_max_k2_masked_fraction"] == pytest.approx(3 / 5)
+    assert m["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(4 / 5)
+
+
+def test_older_rejection_names_mean_what_they_meant():
+    """Contract: the older names token / sequence / geometric are token_k1 / seq_sum_k1 / seq_mean_k1, and older
+    verl's rollout_rs_threshold_lower still bounds the ratio trainer / engine itself (r in [0.4, 1.2] here: 1.65,
+    0.37 rejected; 1, 0.45, 1.11 kept), which v0.9's k1 form would have inverted."""
+    assert _rs("token", 2.0) == _rs("token_k1", "0.5_2.0")
+    assert _rs("geometric", 1.5) == _rs("seq_mean_k1", 1.5)
+    assert _rs("token", 1.2, rollout_rs_threshold_lower=0.4) == [[0.0, 0.0, 1.0], [1.0, 1.0, 0.0]]
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"rollout_rs": "seq_max_k1", "rollout_rs_threshold": 2.0}, "rollout_rs is 'seq_max_k1'"),
+    ({"rollout_rs": "token_k3", "rollout_rs_threshold": "0.5_2.0"}, "k2 / k3 option takes one upper bound"),
+    ({"rollout_rs": "token_k1,seq_sum_k2", "rollout_rs_threshold": "1,2,3"}, "3 values for 2 rollout_rs options"),
+    ({"rollout_rs": "token_k1", "rollout_rs_threshold": "2.0_0.5"}, "lower <= upper"),
+    ({"rollout_rs": "token_k1", "rollout_rs_threshold": 2.0, "rollout_rs_threshold_lower": 0.5},
+     "goes with an older rollout_rs name"),
+    ({"rollout_is": "token", "rollout_is_threshold": "high"}, "rollout_is_threshold is 'high'"),
+])
+def test_bad_v0_9_forms_are_refused_naming_the_key(kw, match):
+    """Contract: an unknown option, a lower bound where none is taken, a threshold count that fits no option list,
+    an inverted or unparsable bound are refused at construction, naming algorithm.rollout_correction's key."""
+    with pytest.raises(ValueError, match=match):
+        RolloutCorrectionConfig(**kw)
+
+
 def test_policy_loss_applies_rollout_weights_per_token():
     """Contract: with `rollout_is_weights` in the micro-batch, each token's policy loss is multiplied by its weight
     (a zero weight removes the token's gradient)."""

@@ -88,3 +88,47 @@ def test_resume_drops_the_records_after_the_resumed_step_so_each_step_appears_on
     tracker.finish()
     assert _steps(tmp_path / "metrics.jsonl") == [0, 1, 2, 3]
     assert not list(tmp_path.glob("metrics.jsonl.*")) and not list(tmp_path.glob(".metrics*"))
+
+
+@pytest.mark.unit
+def test_tensorboard_without_its_package_is_one_line_naming_the_install(monkeypatch):
+    """Contract: trainer.logger with tensorboard when the `tensorboard` package is missing is refused by the config
+    (before Ray) in one line naming trainer.logger and `pip install tensorboard`."""
+    import importlib.util
+
+    from recipe.config_shared import ConfigError, RunConfig
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ConfigError) as refused:
+        RunConfig(logger=["console", "tensorboard"])
+    said = str(refused.value)
+    assert said.startswith("trainer.logger=['console', 'tensorboard'] includes tensorboard") and "\n" not in said
+    assert "pip install tensorboard" in said
+    RunConfig(logger=["console"])  # no tensorboard asked: nothing to install
+
+
+@pytest.mark.unit
+def test_tensorboard_sink_writes_each_steps_scalars(tmp_path, monkeypatch):
+    """Contract: with trainer.logger=[tensorboard], `Tracking.log` writes every metric as a scalar at its step into
+    $TENSORBOARD_DIR (verl's variable), else <out_dir>/tensorboard; readable by tensorboard's own reader."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
+        events = EventAccumulator(str(directory))
+        events.Reload()
+        return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+    monkeypatch.delenv("TENSORBOARD_DIR", raising=False)
+    tracker = Tracking(["tensorboard"], "p", "e", tmp_path / "run")
+    tracker.log({"critic/score/mean": 0.5, "actor/lr": 1e-3}, step=1)
+    tracker.log({"critic/score/mean": 0.75}, step=2)
+    tracker.finish()
+    assert scalars(tmp_path / "run" / "tensorboard") == {"critic/score/mean": [(1, 0.5), (2, 0.75)],
+                                                         "actor/lr": [(1, pytest.approx(1e-3))]}
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
+    tracker = Tracking(["console", "tensorboard"], "p", "e", tmp_path / "run2")
+    tracker.log({"x": 2.0}, step=7)
+    tracker.finish()
+    assert scalars(tmp_path / "tb") == {"x": [(7, 2.0)]}

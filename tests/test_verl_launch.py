@@ -378,3 +378,30 @@ def test_verl_3b_line_starts_and_trains_a_step(home, tiny_model_dir, tmp_path):
         proc.stdout + proc.stderr)  # Hydra's console handler writes the log to stdout
     steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert 1 in steps
+
+
+@pytest.mark.unit
+def test_verl_v0_9_rollout_correction_and_reward_section_are_taken(home, tiny_model_dir, tmp_path):
+    """Contract: verl v0.9's rollout-correction forms (rejection options, "lower_upper" thresholds, batch
+    normalisation) reach algorithm.rollout_correction; v0.9's `reward.custom_reward_function.*` (reward_kwargs too,
+    key by key) is the same config as the old top-level section, the two given together are refused as one key given
+    twice, and a model reward stays refused."""
+    scorer = tmp_path / "score.py"
+    scorer.write_text("def my_score(data_source, solution_str, ground_truth, extra_info=None, **kw):\n    return 0.0\n")
+    args = line(VERL_3B, home, str(tiny_model_dir))
+    rc = "algorithm.rollout_correction"
+    cfg = launch.load([*args, f"{rc}.rollout_is=token", f"{rc}.rollout_is_threshold=0.5_5.0",
+                       f"{rc}.rollout_is_batch_normalize=True", f"{rc}.rollout_rs='seq_mean_k3,token_k1'",
+                       f"{rc}.rollout_rs_threshold=[0.01,0.6_1.4]", f"reward.custom_reward_function.path={scorer}",
+                       "reward.custom_reward_function.name=my_score",
+                       "+reward.custom_reward_function.reward_kwargs.method=flexible"])[0]
+    got = cfg.algorithm.rollout_correction
+    assert (got.rollout_is_threshold, got.rollout_is_batch_normalize) == ("0.5_5.0", True)
+    assert [(o.name, o.lower, o.upper) for o in got.rs_options()] == [("seq_mean_k3", None, 0.01),
+                                                                      ("token_k1", 0.6, 1.4)]
+    crf = cfg.custom_reward_function
+    assert (crf.path, crf.name, crf.reward_kwargs) == (str(scorer), "my_score", {"method": "flexible"})
+    for extra, said in ((f"custom_reward_function.path={scorer}", "custom_reward_function.path is given twice"),
+                        ("reward.reward_model.enable=True", "a model reward is not supported")):
+        with pytest.raises(ConfigError, match=said):
+            launch.load([*args, f"reward.custom_reward_function.path={scorer}", extra])

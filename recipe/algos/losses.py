@@ -12,12 +12,14 @@ the DP size when gradients are averaged).
 Loss aggregation (`loss_agg_mode`, verl's names), with L[i,t] the per-token loss, m the
 mask, N the global token count, S the global sequence count, n_i sequence i's tokens:
 - `token-mean`:               sum_{i,t} m L / N
+- `token-sum`:                sum_{i,t} m L                      (verl v0.9: no normalisation)
 - `seq-mean-token-sum`:       sum_i (sum_t m L) / S
 - `seq-mean-token-mean`:      sum_i (sum_t m L / n_i) / S       (an empty sequence adds 0)
 - `seq-mean-token-sum-norm`:  sum_{i,t} m L / (S * H)           (Dr. GRPO; H = loss_scale_factor)
-Departure from verl: verl normalises each micro-batch by its own sizes (and sum-norm by the
-micro-batch's padded width), so its result depends on how the batch was split; here the
-denominators are global and the horizon H is a fixed config value.
+With no loss_scale_factor verl divides by the padded response width, which its agent loop pads to
+rollout.response_length: `PPOConfig` fills H with that length, so a verl line trains the same here.
+Departure from verl: verl normalises each micro-batch by its own sizes, so its result depends on how
+the batch was split; here the denominators are global and H a fixed value.
 
 Metrics follow the same rule: each is this micro-batch's share, and summing over
 micro-batches and ranks gives the mini-batch value (token-weighted fractions and KL; loss
@@ -44,18 +46,16 @@ from recipe.algos.kl import KL_KINDS, kl_penalty
 from recipe.algos.masked import masked_sum
 from recipe.algos.registry import POLICY_LOSSES, POLICY_LOSSES_NOT_BUILT, load_policy_loss
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def _check_agg(prefix: str, mode: str, loss_scale_factor: float | None) -> None:
     """Validate a loss_agg_mode and its horizon, naming the config keys."""
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"{prefix}.loss_agg_mode is {mode!r}; use one of {LOSS_AGG_MODES}")
-    if mode == "seq-mean-token-sum-norm" and (loss_scale_factor is None or loss_scale_factor <= 0):
-        raise ValueError(
-            f"{prefix}.loss_scale_factor is {loss_scale_factor}; loss_agg_mode 'seq-mean-token-sum-norm' needs a "
-            "fixed horizon > 0 (usually data.max_response_length)"
-        )
+    if loss_scale_factor is not None and loss_scale_factor <= 0:
+        raise ValueError(f"{prefix}.loss_scale_factor is {loss_scale_factor}; give a horizon > 0, or null for "
+                         "actor_rollout_ref.rollout.response_length (the padded width verl divides by)")
 
 
 @dataclass
@@ -105,7 +105,8 @@ class PolicyLossConfig:
     loss_agg_mode: str = "token-mean"
     """How per-token losses become one loss, one of LOSS_AGG_MODES (see the module docstring)."""
     loss_scale_factor: float | None = None
-    """Horizon H of seq-mean-token-sum-norm."""
+    """Horizon H of seq-mean-token-sum-norm; None: actor_rollout_ref.rollout.response_length (verl's padded
+    response width), filled by PPOConfig."""
     use_kl_loss: bool = False
     """Add kl_loss_coef * KL(pi || pi_ref) to the loss."""
     kl_loss_coef: float = 0.001
@@ -143,7 +144,7 @@ class ValueLossConfig:
     loss_agg_mode: str = "token-mean"
     """How per-token losses become one loss, one of LOSS_AGG_MODES (see the module docstring)."""
     loss_scale_factor: float | None = None
-    """Horizon H of seq-mean-token-sum-norm."""
+    """Horizon H of seq-mean-token-sum-norm; None: actor_rollout_ref.rollout.response_length, as the actor's."""
 
     def __post_init__(self) -> None:
         if self.cliprange_value <= 0:
@@ -224,6 +225,8 @@ def agg_loss(
     """This micro-batch's share of the mini-batch aggregate of (B, T) `loss_mat` (module doc)."""
     if mode == "token-mean":
         return masked_sum(loss_mat, mask) / global_token_count
+    if mode == "token-sum":
+        return masked_sum(loss_mat, mask)
     if mode == "seq-mean-token-sum":
         return masked_sum(loss_mat, mask) / global_seq_count
     if mode == "seq-mean-token-mean":
@@ -231,7 +234,7 @@ def agg_loss(
         return per_seq.sum() / global_seq_count
     if mode == "seq-mean-token-sum-norm":
         if loss_scale_factor is None:
-            raise ValueError("seq-mean-token-sum-norm needs loss_scale_factor (a fixed horizon)")
+            raise ValueError("seq-mean-token-sum-norm needs loss_scale_factor (PPOConfig fills it)")
         return masked_sum(loss_mat, mask) / (global_seq_count * loss_scale_factor)
     raise ValueError(f"unknown loss_agg_mode {mode!r}; use one of {LOSS_AGG_MODES}")
 

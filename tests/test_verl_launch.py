@@ -9,7 +9,6 @@ them (quotes removed), without `--config-path/--config-name` (tests/test_launch_
 from __future__ import annotations
 
 import shlex
-import sys
 from pathlib import Path
 
 import pytest

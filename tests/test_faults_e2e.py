@@ -203,15 +203,17 @@ def test_a_rank_killed_mid_update_stops_the_run_within_the_timeout_naming_it(run
 @pytest.mark.e2e
 def test_the_rerun_resumes_keeps_each_step_once_and_with_no_restart_allowed_a_killed_engine_stops_it(runs):
     """Contract: rerunning the command resumes from the last checkpoint (2, though step 3 was logged) and trains
-    step 3 again: metrics.jsonl holds each step once, step 3's record the rerun's. With max_engine_restarts=0 the
-    engine killed in step 4's rollout stops the run within trainer.rollout_timeout_s: non-zero exit, a last line
-    naming the engine and the key, no process left."""
+    step 3 again, sampled by its engine from the restored weights: metrics.jsonl holds each step once, step 3's
+    record the rerun's. With max_engine_restarts=0 the engine killed in step 4's rollout stops the run within
+    trainer.rollout_timeout_s: non-zero exit, a last line naming the engine and the key, no process left."""
     assert runs["first_checkpoint"] == 2
     assert f"resumed from {runs['out'] / 'global_step_2'}: step 2" in runs["rerun_log"].read_text(errors="replace")
     metrics = _metrics(runs["out"])
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert metrics[:2] == runs["first_metrics"][:2]
     assert metrics[2]["fault/engine_restarts"] == 0 and "actor/grad_norm" in metrics[2]  # the rerun's own step 3
+    # its engine sampled step 3 from the restored actor: version 2, log-probs the actor's
+    assert metrics[2]["rollout/weight_version_min"] == 2 and metrics[2]["training/rollout_probs_diff_max"] < 1e-3
     rerun = runs["rerun"]
     assert rerun["rc"] != 0 and rerun["left"] == []
     assert rerun["seconds"] < ROLLOUT_TIMEOUT_S + SHUTDOWN_SLACK_S

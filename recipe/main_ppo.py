@@ -103,7 +103,8 @@ def build_workers(cfg: PPOConfig, model_path: str, plan: PlacementPlan) -> Worke
 
     ar = cfg.actor_rollout_ref
     m = ar.actor.megatron
-    hf_config = AutoConfig.from_pretrained(model_path)
+    remote = ar.model.trust_remote_code
+    hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=remote)
     placement = Placement(plan)
     roles = cfg.workers()
 
@@ -115,18 +116,15 @@ def build_workers(cfg: PPOConfig, model_path: str, plan: PlacementPlan) -> Worke
         g = MegatronWorkerGroup(layout, placement.rank_options(role), hf_config=hf_config, seed=cfg.trainer.seed,
                                 name=role, collective_timeout_s=cfg.trainer.collective_timeout_s)
         placement.check_ranks(role, [info.gpu_ids for info in g.ranks])
-        g.build(functools.partial(cls, model_path, roles[role], **kwargs))
+        g.build(functools.partial(cls, model_path, roles[role], trust_remote_code=remote, **kwargs))
         return g
 
     r = ar.rollout
     colocated = plan.hybrid and placement.use_gpus
 
     def launch(i: int, e) -> EngineClient:
-        return EngineClient.launch(
-            model_path, name=f"engine{i}", ray_options=placement.engine_options(i), tp_size=e.tp,
-            base_gpu_id=e.base_gpu_id, dtype=r.dtype, mem_fraction_static=r.gpu_memory_utilization,
-            max_total_tokens=r.max_total_tokens, random_seed=cfg.trainer.seed + i, log_level="error",
-            enable_memory_saver=colocated, enable_deterministic_inference=r.deterministic)
+        return EngineClient.launch(model_path, name=f"engine{i}", ray_options=placement.engine_options(i),
+                                   **engine_kwargs(cfg, i, e.tp, e.base_gpu_id, colocated))
 
     temperature = ar.rollout.temperature
     with ThreadPoolExecutor(max_workers=len(plan.engines), thread_name_prefix="engine-launch") as pool:
@@ -151,6 +149,17 @@ def build_workers(cfg: PPOConfig, model_path: str, plan: PlacementPlan) -> Worke
     # there is nothing to hand over (and SGLang 0.5.23's release ends in torch.cuda.synchronize()).
     return Workers(actor=actor, ref=ref, critic=critic, engines=engines, weight_sync=weight_sync,
                    colocated=colocated, placement=placement)
+
+
+def engine_kwargs(cfg: PPOConfig, i: int, tp: int, base_gpu_id: int, colocated: bool) -> dict[str, Any]:
+    """The SGLang `ServerArgs` engine `i` starts with (`tp` GPUs from `base_gpu_id`): polyturn's, then the user's
+    `engine_kwargs.sglang` (which may not set polyturn's own, `rollout.config.SGLANG_OWNED`)."""
+    r = cfg.actor_rollout_ref.rollout
+    return {"log_level": "error", **r.engine_kwargs.sglang, "tp_size": tp, "base_gpu_id": base_gpu_id,
+            "dtype": r.dtype, "mem_fraction_static": r.gpu_memory_utilization, "max_total_tokens": r.max_total_tokens,
+            "random_seed": cfg.trainer.seed + i, "enable_memory_saver": colocated,
+            "enable_deterministic_inference": r.deterministic,
+            "trust_remote_code": cfg.actor_rollout_ref.model.trust_remote_code}
 
 
 @dataclasses.dataclass
@@ -185,10 +194,12 @@ def prepare(cfg: PPOConfig) -> Prepared:
     state = checkpoint.TrainerState.read(resume) if resume is not None else None  # the step and wandb run it continues
     path = model_dir(cfg)
     preflight.check_model_dir(path)
-    hf_config = AutoConfig.from_pretrained(path)
+    remote = cfg.actor_rollout_ref.model.trust_remote_code
+    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
     preflight.check_layout(cfg, hf_config)
+    preflight.check_engine_kwargs(cfg.actor_rollout_ref.rollout.engine_kwargs.sglang)
     check_memory(cfg, plan, hf_config, driver_gpu_bytes())  # hybrid: refuses a plan that cannot fit
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=remote)
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     # multi_turn.enable=false: single turn, so no tool or interaction is loaded (rows' kwargs are dropped at load)
     aliases = verl_aliases()  # verl's paths of the tasks' parts (verl's scorers), for verl's YAML
@@ -196,13 +207,16 @@ def prepare(cfg: PPOConfig) -> Prepared:
                                      function_tool_path=mt.function_tool_path if mt.enable else None)
     interactions = InteractionRegistry.from_config(mt.interaction_config_path if mt.enable else None, aliases=aliases)
     default_agent = cfg.actor_rollout_ref.rollout.agent.default_agent_loop  # rows without agent_name
+    template_kwargs = cfg.data.apply_chat_template_kwargs  # every render: the prompts here, the rollout's turns
     dataset = RLDataset(cfg.data.train_files, tools, interactions, tokenizer=tokenizer,
-                        max_prompt_length=cfg.data.max_prompt_length, default_agent=default_agent)
+                        max_prompt_length=cfg.data.max_prompt_length, default_agent=default_agent,
+                        chat_template_kwargs=template_kwargs)
     logger.info("data: %d prompts from %s", len(dataset), cfg.data.train_files)
     val_prompts = None
     if cfg.data.val_files:
         val_data = RLDataset(cfg.data.val_files, tools, interactions, tokenizer=tokenizer,
-                             max_prompt_length=cfg.data.max_prompt_length, default_agent=default_agent)
+                             max_prompt_length=cfg.data.max_prompt_length, default_agent=default_agent,
+                             chat_template_kwargs=template_kwargs)
         val_prompts = [dataclasses.replace(p, uid=f"val/{i}") for i, p in enumerate(val_data.items)]
         logger.info("validation data: %d prompts from %s", len(val_prompts), cfg.data.val_files)
     preflight.check_data(cfg, len(dataset), {p.data_source for p in dataset.items + (val_prompts or [])})
@@ -224,7 +238,8 @@ def build(cfg: PPOConfig, config_dict: dict | None = None,
     start_ray(cfg.ray_init)
     cpu_standins.check_ray_node_gpus()  # a node whose GPUs torch cannot use stops here, before anything is placed
     workers = build_workers(cfg, path, plan)
-    loop = AgentLoop(workers.engines, tokenizer, cfg.actor_rollout_ref.rollout, tools=tools, interactions=interactions)
+    loop = AgentLoop(workers.engines, tokenizer, cfg.actor_rollout_ref.rollout, tools=tools, interactions=interactions,
+                     chat_template_kwargs=cfg.data.apply_chat_template_kwargs)
     t = cfg.trainer
     tracker = Tracking(t.logger, t.project_name, t.experiment_name, t.default_local_dir, config=config_dict,
                        run_id=state.wandb_run_id if state else None, resume_step=state.step if state else None,
@@ -236,7 +251,8 @@ def build(cfg: PPOConfig, config_dict: dict | None = None,
         validator = Validator(val_prompts, validation_loop(loop, tokenizer, val_kwargs), val_kwargs,
                               RewardFn(cfg.reward, cfg.custom_reward_function), log_generations=t.log_val_generations,
                               seed=t.seed if cfg.actor_rollout_ref.rollout.deterministic else None)
-    mfu = MFU.for_run(AutoConfig.from_pretrained(path), t.peak_tflops_per_gpu, t.n_gpus_per_node * t.nnodes)
+    mfu = MFU.for_run(AutoConfig.from_pretrained(path, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code),
+                      t.peak_tflops_per_gpu, t.n_gpus_per_node * t.nnodes)
     trainer = Trainer(cfg, workers, loop, tracker, validator=validator,
                       batches_per_epoch=len(dataset) // cfg.data.train_batch_size, mfu=mfu)
     if resume is not None:

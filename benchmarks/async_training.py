@@ -177,7 +177,8 @@ def _train(schedule: str, steps: int, out: Path, args: argparse.Namespace, prepa
 
     cfg = _config(out, args, schedule, steps)
     loop = AgentLoop([SteeredEngine(e) for e in workers.engines], prepared.tokenizer, cfg.actor_rollout_ref.rollout,
-                     tools=prepared.tools, interactions=prepared.interactions)
+                     tools=prepared.tools, interactions=prepared.interactions,
+                     chat_template_kwargs=cfg.data.apply_chat_template_kwargs)
     tracker = Recorder()
     trainer = Trainer(cfg, workers, loop, tracker)
     if start.is_dir():

@@ -66,9 +66,10 @@ class MegatronActor(MegatronRunner):
     softmax, so log-probs match what the engine sampled from.
     """
 
-    def __init__(self, hf_dir: str | Path, cfg: ActorConfig, temperature: float = 1.0) -> None:
+    def __init__(self, hf_dir: str | Path, cfg: ActorConfig, temperature: float = 1.0,
+                 trust_remote_code: bool = False) -> None:
         self.temperature = temperature
-        super().__init__(hf_dir, cfg)
+        super().__init__(hf_dir, cfg, trust_remote_code)
 
     def _build_model(self, hf_state: dict[str, torch.Tensor], vp_stage: int | None) -> torch.nn.Module:
         module = super()._build_model(hf_state, vp_stage)

@@ -170,14 +170,15 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def load_hf_checkpoint(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
-    """(config, state dict) of a local HF checkpoint dir: config.json + safetensors weights."""
+def load_hf_checkpoint(path: str | Path, trust_remote_code: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(config, state dict) of a local HF checkpoint dir: config.json (read with the checkpoint's own code when
+    `trust_remote_code`) + safetensors weights."""
     from transformers import AutoConfig
 
     root = Path(path)
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"{root}/config.json not found: pass an HF checkpoint directory")
-    return AutoConfig.from_pretrained(root), load_hf_state_dict(root)
+    return AutoConfig.from_pretrained(root, trust_remote_code=trust_remote_code), load_hf_state_dict(root)
 
 
 def load_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:

@@ -76,10 +76,10 @@ class MegatronRunner:
     critic swaps the LM head).
     """
 
-    def __init__(self, hf_dir: str | Path, cfg: WorkerConfig) -> None:
+    def __init__(self, hf_dir: str | Path, cfg: WorkerConfig, trust_remote_code: bool = False) -> None:
         self.hf_dir = Path(hf_dir)
         self.cfg = cfg
-        self.hf_config, hf_state = mmodel.load_hf_checkpoint(self.hf_dir)
+        self.hf_config, hf_state = mmodel.load_hf_checkpoint(self.hf_dir, trust_remote_code)
         vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
         modules = [self._build_model(hf_state, vp_stage) for vp_stage in (range(vpp) if vpp else [None])]
         del hf_state

@@ -59,12 +59,20 @@ class DataConfig(DataFiles):
     recipe/data/samples.py); -1: all."""
     val_max_samples: int = -1
     """Likewise for the validation prompts; -1: all."""
+    apply_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables of the chat template (verl's key; e.g. `enable_thinking: false`), passed to every render:
+    the prompt at load (what the length filter measures) and every later turn of the rollout."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for key in ("max_prompt_length", "max_response_length"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"data.{key} is {getattr(self, key)}; it must be >= 1")
+        owned = sorted(set(self.apply_chat_template_kwargs) & {"conversation", "tools", "add_generation_prompt",
+                                                              "tokenize", "continue_final_message", "return_dict"})
+        if owned:
+            raise ConfigError(f"data.apply_chat_template_kwargs sets {owned}, which the rollout sets on each render "
+                              "(the sample's tools, the generation prompt); drop them")
 
 
 @dataclass
@@ -75,6 +83,9 @@ class ModelConfig(ModelSection):
     """HF checkpoint directory, or a hub id downloaded at start (machines with internet)."""
     build_tiny: bool = False
     """No path: write recipe.tiny_model's seeded checkpoint into the output dir (CPU preset)."""
+    trust_remote_code: bool = False
+    """Let the checkpoint's own code run where transformers and SGLang load its config and tokenizer (verl's key);
+    the Megatron model is always polyturn's adapter."""
 
     def __post_init__(self) -> None:
         if self.path is None and not self.build_tiny:

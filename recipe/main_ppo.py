@@ -105,7 +105,8 @@ def build_workers(cfg: PPOConfig, model_path: str, plan: PlacementPlan) -> Worke
 
     ar = cfg.actor_rollout_ref
     m = ar.actor.megatron
-    hf_config = AutoConfig.from_pretrained(model_path)
+    remote = ar.model.trust_remote_code
+    hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=remote)
     placement = Placement(plan)
     roles = cfg.workers()
 
@@ -117,18 +118,15 @@ def build_workers(cfg: PPOConfig, model_path: str, plan: PlacementPlan) -> Worke
         g = MegatronWorkerGroup(layout, placement.rank_options(role), hf_config=hf_config, seed=cfg.trainer.seed,
                                 name=role, collective_timeout_s=cfg.trainer.collective_timeout_s)
         placement.check_ranks(role, [info.gpu_ids for info in g.ranks])
-        g.build(functools.partial(cls, model_path, roles[role], **kwargs))
+        g.build(functools.partial(cls, model_path, roles[role], trust_remote_code=remote, **kwargs))
         return g
 
     r = ar.rollout
     colocated = plan.hybrid and placement.use_gpus
 
     def launch(i: int, e) -> EngineClient:
-        return EngineClient.launch(
-            model_path, name=f"engine{i}", ray_options=placement.engine_options(i), tp_size=e.tp,
-            base_gpu_id=e.base_gpu_id, dtype=r.dtype, mem_fraction_static=r.gpu_memory_utilization,
-            max_total_tokens=r.max_total_tokens, random_seed=cfg.trainer.seed + i, log_level="error",
-            enable_memory_saver=colocated, enable_deterministic_inference=r.deterministic)
+        return EngineClient.launch(model_path, name=f"engine{i}", ray_options=placement.engine_options(i),
+                                   **engine_kwargs(cfg, i, e.tp, e.base_gpu_id, colocated))
 
     temperature = ar.rollout.temperature
     with ThreadPoolExecutor(max_workers=len(plan.engines), thread_name_prefix="engine-launch") as pool:
@@ -153,6 +151,17 @@ def build_workers(cfg: PPOConfig, model_path: str, plan: PlacementPlan) -> Worke
     # there is nothing to hand over (and SGLang 0.5.23's release ends in torch.cuda.synchronize()).
     return Workers(actor=actor, ref=ref, critic=critic, engines=engines, weight_sync=weight_sync,
                    colocated=colocated, placement=placement)
+
+
+def engine_kwargs(cfg: PPOConfig, i: int, tp: int, base_gpu_id: int, colocated: bool) -> dict[str, Any]:
+    """The SGLang `ServerArgs` engine `i` starts with (`tp` GPUs from `base_gpu_id`): polyturn's, then the user's
+    `engine_kwargs.sglang` (which may not set polyturn's own, `rollout.config.SGLANG_OWNED`)."""
+    r = cfg.actor_rollout_ref.rollout
+    return {"log_level": "error", **r.engine_kwargs.sglang, "tp_size": tp, "base_gpu_id": base_gpu_id,
+            "dtype": r.dtype, "mem_fraction_static": r.gpu_memory_utilization, "max_total_tokens": r.max_total_tokens,
+            "random_seed": cfg.trainer.seed + i, "enable_memory_saver": colocated,
+            "enable_deterministic_inference": r.deterministic,
+            "trust_remote_code": cfg.actor_rollout_ref.model.trust_remote_code}
 
 
 @dataclasses.dataclass
@@ -194,6 +203,7 @@ def prepare(cfg: PPOConfig) -> Prepared:
     interactions = problems.check(InteractionRegistry.from_config, mt.interaction_config_path if mt.enable else None,
                                   aliases=aliases)
     problems.check(preflight.check_reward_function, cfg)
+    problems.check(preflight.check_engine_kwargs, cfg.actor_rollout_ref.rollout.engine_kwargs.sglang)
     data = None
     if model is not None and tools is not None and interactions is not None:  # rows are checked against them
         data = problems.check(_data, cfg, model[1], tools, interactions)
@@ -220,23 +230,26 @@ def _model(cfg: PPOConfig, plan: PlacementPlan | None) -> tuple[str, Any]:
 
     path = model_dir(cfg)
     preflight.check_model_dir(path)
-    hf_config = AutoConfig.from_pretrained(path)
+    remote = cfg.actor_rollout_ref.model.trust_remote_code
+    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
     preflight.check_layout(cfg, hf_config)
     if plan is not None:
         check_memory(cfg, plan, hf_config, driver_gpu_bytes())  # hybrid: refuses a plan that cannot fit
-    return path, AutoTokenizer.from_pretrained(path)
+    return path, AutoTokenizer.from_pretrained(path, trust_remote_code=remote)
 
 
 def _data(cfg: PPOConfig, tokenizer: Any, tools: Any, interactions: Any) -> tuple[RLDataset, list | None]:
     """The training prompts and the validation prompts (uid val/<i>; None without data.val_files), each file's
     refusal naming its key."""
     default_agent = cfg.actor_rollout_ref.rollout.agent.default_agent_loop  # rows without agent_name
+    template_kwargs = cfg.data.apply_chat_template_kwargs  # every render: the prompts here, the rollout's turns
     problems = Problems()
 
     def load(key: str, files: list[str]) -> RLDataset:
         try:
             return RLDataset(files, tools, interactions, tokenizer=tokenizer,
-                             max_prompt_length=cfg.data.max_prompt_length, default_agent=default_agent)
+                             max_prompt_length=cfg.data.max_prompt_length, default_agent=default_agent,
+                             chat_template_kwargs=template_kwargs)
         except (ValueError, KeyError, OSError) as err:  # the rows' own messages name the file and row
             raise ConfigError(f"{key}: {problem_lines(err)[0]}") from err
 
@@ -268,7 +281,8 @@ def build(cfg: PPOConfig, config_dict: dict | None = None,
     start_ray(cfg.ray_init)
     cpu_standins.check_ray_node_gpus()  # a node whose GPUs torch cannot use stops here, before anything is placed
     workers = build_workers(cfg, path, plan)
-    loop = AgentLoop(workers.engines, tokenizer, cfg.actor_rollout_ref.rollout, tools=tools, interactions=interactions)
+    loop = AgentLoop(workers.engines, tokenizer, cfg.actor_rollout_ref.rollout, tools=tools, interactions=interactions,
+                     chat_template_kwargs=cfg.data.apply_chat_template_kwargs)
     t = cfg.trainer
     tracker = Tracking(t.logger, t.project_name, t.experiment_name, t.default_local_dir, config=config_dict,
                        run_id=state.wandb_run_id if state else None, resume_step=state.step if state else None,
@@ -280,7 +294,8 @@ def build(cfg: PPOConfig, config_dict: dict | None = None,
         validator = Validator(val_prompts, validation_loop(loop, tokenizer, val_kwargs), val_kwargs,
                               RewardFn(cfg.reward, cfg.custom_reward_function), log_generations=t.log_val_generations,
                               seed=t.seed if cfg.actor_rollout_ref.rollout.deterministic else None)
-    mfu = MFU.for_run(AutoConfig.from_pretrained(path), t.peak_tflops_per_gpu, t.n_gpus_per_node * t.nnodes)
+    mfu = MFU.for_run(AutoConfig.from_pretrained(path, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code),
+                      t.peak_tflops_per_gpu, t.n_gpus_per_node * t.nnodes)
     trainer = Trainer(cfg, workers, loop, tracker, validator=validator,
                       batches_per_epoch=len(dataset) // cfg.data.train_batch_size, mfu=mfu)
     if resume is not None:

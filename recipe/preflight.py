@@ -2,9 +2,10 @@
 one ConfigError line naming the config key (and the model field or data file) and the fix.
 
 The config alone is checked by `recipe.config_schema`; here: the model directory's config.json and tokenizer,
-the parallel layout against the model's head and layer counts, the batch size against the rows loaded, and the
-outcome scorer of every data source (or the custom reward function), and a wandb login when `trainer.logger` has wandb
-(else `wandb.init` fails only after every worker and engine has started).
+the parallel layout against the model's head and layer counts, the SGLang arguments passed through (against SGLang's
+ServerArgs), the batch size against the rows loaded, and the outcome scorer of every data source (or the custom
+reward function), and a wandb login when `trainer.logger` has wandb (else `wandb.init` fails only after every worker
+and engine has started).
 """
 from __future__ import annotations
 
@@ -51,6 +52,24 @@ def check_layout(cfg: PPOConfig, hf_config: Any) -> None:
             raise ConfigError(f"{p}.virtual_pipeline_model_parallel_size={vpp} does not divide the {layers // pp} "
                               f"layers of each pipeline stage (num_hidden_layers={layers}, config.json); use a divisor "
                               f"of {layers // pp}")
+
+
+def check_engine_kwargs(sglang: dict[str, Any]) -> None:
+    """Refuse `engine_kwargs.sglang` names that SGLang's ServerArgs does not have (SGLang is imported only when some
+    are given), suggesting the near one."""
+    if not sglang:
+        return
+    import difflib
+
+    from rollout.engines.sglang_engine import server_arg_names
+
+    known = server_arg_names()
+    unknown = sorted(set(sglang) - known)
+    if unknown:
+        near = {k: difflib.get_close_matches(k, sorted(known), n=1) for k in unknown}
+        raise ConfigError("actor_rollout_ref.rollout.engine_kwargs.sglang has " + ", ".join(
+            k + (f" (did you mean {near[k][0]}?)" if near[k] else "") for k in unknown) + ": not arguments of this "
+            "SGLang's ServerArgs; fix or drop them")
 
 
 def check_reward_function(cfg: PPOConfig) -> None:

@@ -104,7 +104,8 @@ def validation_loop(agent_loop: AgentLoop, tokenizer: Any, val_kwargs: ValKwargs
     """An agent loop on the training loop's engines, tools and interactions, sampling with `val_kwargs`."""
     cfg = dataclasses.replace(agent_loop.config, n=val_kwargs.n, temperature=val_kwargs.temperature,
                               top_p=val_kwargs.top_p, top_k=val_kwargs.top_k)
-    return AgentLoop(agent_loop.router, tokenizer, cfg, tools=agent_loop.tools, interactions=agent_loop.interactions)
+    return AgentLoop(agent_loop.router, tokenizer, cfg, tools=agent_loop.tools, interactions=agent_loop.interactions,
+                     chat_template_kwargs=agent_loop.codec.template_kwargs)
 
 
 @dataclasses.dataclass

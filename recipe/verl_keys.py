@@ -66,8 +66,8 @@ def _rollout() -> dict[str, Rule]:
         f"{r}.layered_summon": no_effect("an FSDP weight-gathering knob (the sync streams per tensor here)", False),
         f"{r}.disable_log_stats": no_effect("SGLang's own statistics logging"),
         f"{r}.skip_tokenizer_init": no_effect("the engines take and return token ids either way"),
-        f"{r}.engine_kwargs.sglang": only(f"passing SGLang engine arguments through is not built: the engines start "
-                                             f"with polyturn's ({r}.*); drop the key", {}),
+        f"{r}.engine_kwargs.sglang.enable_memory_saver": no_effect(
+            "polyturn turns SGLang's memory saver on exactly when the engines share GPUs with the trainer"),
         **{f"{r}.engine_kwargs.{k}": no_effect("another engine's arguments; polyturn runs SGLang") for k in ("vllm",
                                                                                                          "trtllm")},
         f"{r}.multi_turn.num_repeat_rollouts": only("not built: each prompt is rolled out rollout.n times; drop the "
@@ -133,11 +133,11 @@ def _data() -> dict[str, Rule]:
         "data.filter_overlong_prompts_workers": no_effect("prompts are filtered in the trainer's process"),
         "data.truncation": only("prompts are never truncated: longer ones than data.max_prompt_length are dropped "
                                 "at load; drop the key", "error"),
-        "data.trust_remote_code": no_effect("tokenizers load without remote code here", False),
+        "data.trust_remote_code": Rule("the data is tokenized with the policy's tokenizer, loaded with "
+                                       "actor_rollout_ref.model.trust_remote_code; set that",
+                                       same_as="actor_rollout_ref.model.trust_remote_code"),
         "data.custom_cls": only("a custom dataset class cannot load here: rows are verl's parquet rows "
                                 "(recipe.data.dataset); drop the key", None),
-        "data.apply_chat_template_kwargs": only("chat-template options are not built: the template renders with "
-                                                "its defaults; drop the key", {}),
         "data.continuous_token.enable": no_effect("the engine's token ids are always kept across turns (verl's "
                                                   "continuous token stream)", True),
         "data.continuous_token": no_effect("read only with continuous_token.enable"),

@@ -163,8 +163,9 @@ def _model(p: str) -> dict[str, Rule]:
         f"{p}.hf_config_path": only(f"the model config is read from {MODEL}.path; put it there", None),
         f"{p}.tokenizer_path": only(f"the tokenizer is read from {MODEL}.path; put it there", None),
         f"{p}.use_shm": no_effect("verl's copy of the checkpoint into shared memory (load speed)", False),
-        f"{p}.trust_remote_code": no_effect("models are built by polyturn's adapters (megatron_workers/adapters: qwen2, "
-                                        "llama, qwen3) and never run a checkpoint's remote code", False),
+        **({} if p == MODEL else {f"{p}.trust_remote_code": Rule(
+            f"the value model is built from the policy's checkpoint, read with {MODEL}.trust_remote_code; set that",
+            same_as=f"{MODEL}.trust_remote_code")}),
         f"{p}.custom_chat_template": only(f"the chat template of {MODEL}.path's tokenizer is used; put the "
                                              "template in its tokenizer_config.json", None),
         f"{p}.external_lib": only("models are built by polyturn's adapters, not transformers' registry; drop the "

@@ -70,12 +70,13 @@ class AgentLoop:
         config: RolloutConfig,
         tools: ToolRegistry | None = None,
         interactions: InteractionRegistry | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ):
         self.router = engines if isinstance(engines, EngineRouter) else EngineRouter(list(engines))
         self.config = config
         self.tools = tools or ToolRegistry([])
         self.interactions = interactions or InteractionRegistry([])
-        self.codec = ChatCodec.for_tokenizer(tokenizer)
+        self.codec = ChatCodec.for_tokenizer(tokenizer, chat_template_kwargs)  # every turn renders with them
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._parsers: dict[tuple[str, ...], ToolCallParser] = {}
         if self.tools.names:  # the parser of samples with every tool, built now: SGLang's import, not mid-rollout
@@ -309,7 +310,7 @@ class AgentLoop:
             stop_id = turn_ids[-1] if turn_ids and turn_ids[-1] in self.codec.stop_token_ids else None
             parsed = parser.parse(text) if parser is not None else None
             if parsed is not None and parsed.has_calls:
-                if traj.num_assistant_turns >= mt.max_assistant_turns:
+                if _reached(traj.num_assistant_turns, mt.max_assistant_turns):
                     return traj.finish(FinishReason.MAX_TURNS)
                 traj.set_status(TrajectoryStatus.TOOL_CALLING)
                 new_messages = await self._run_calls(traj, parsed.calls, instances)
@@ -324,7 +325,8 @@ class AgentLoop:
                     return traj.finish(FinishReason.ERROR, f"interaction {runner.name!r}: {turn.error}")
                 if turn.should_terminate:
                     return traj.finish(FinishReason.STOP)
-                if traj.num_user_turns >= mt.max_user_turns or traj.num_assistant_turns >= mt.max_assistant_turns:
+                if _reached(traj.num_user_turns, mt.max_user_turns) or _reached(traj.num_assistant_turns,
+                                                                                mt.max_assistant_turns):
                     return traj.finish(FinishReason.MAX_TURNS)
                 traj.num_user_turns += 1
                 new_messages = [{"role": "user", "content": turn.text}]
@@ -402,3 +404,8 @@ def sampling_seed(seed: int, uid: str) -> int:
     """The SGLang `sampling_seed` of trajectory `uid` in a rollout seeded with `seed` (stable across runs)."""
     digest = hashlib.blake2b(f"{seed}/{uid}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1  # non-negative int64
+
+
+def _reached(turns: int, limit: int | None) -> bool:
+    """True when `turns` has reached a turn limit (None: no limit)."""
+    return limit is not None and turns >= limit

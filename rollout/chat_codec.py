@@ -13,6 +13,8 @@ Where it departs from the textbook "render the chat, tokenize":
   exactly what the template would put around new messages.
 - The whole chat is re-rendered from its messages only to *check* it against the ids
   (`drift_index`); the first differing index is a metric, never a rebuild.
+- Every render, the prompt's and every later turn's, passes the same extra template variables
+  (`template_kwargs`: verl's `data.apply_chat_template_kwargs`).
 """
 from __future__ import annotations
 
@@ -27,21 +29,24 @@ class ChatCodec:
     """Chat-template rendering for the loop (and for SFT demonstrations): prompts, assistant turns, mask-0 deltas,
     tool-output truncation, drift check."""
 
-    def __init__(self, tokenizer: Any, stop_token_ids: list[int]):
+    def __init__(self, tokenizer: Any, stop_token_ids: list[int], template_kwargs: dict[str, Any] | None = None):
         self.tokenizer = tokenizer
         self.stop_token_ids = set(stop_token_ids)
+        # extra variables of every render (verl's data.apply_chat_template_kwargs, e.g. enable_thinking=False)
+        self.template_kwargs = dict(template_kwargs or {})
         self._assistant_prefix: str | None = None  # the placeholder conversation's generation prompt (assistant_ids)
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any) -> ChatCodec:
-        """The codec of a tokenizer whose eos token ends an assistant turn (the engine's stop token)."""
+    def for_tokenizer(cls, tokenizer: Any, template_kwargs: dict[str, Any] | None = None) -> ChatCodec:
+        """The codec of a tokenizer whose eos token ends an assistant turn (the engine's stop token), rendering its
+        template with `template_kwargs` as well."""
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos_token_id; set eos_token (e.g. <|im_end|>) in tokenizer_config.json")
-        return cls(tokenizer, [tokenizer.eos_token_id])
+        return cls(tokenizer, [tokenizer.eos_token_id], template_kwargs)
 
     def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, gen_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=gen_prompt, tokenize=False
+            messages, tools=tools or None, add_generation_prompt=gen_prompt, tokenize=False, **self.template_kwargs
         )
 
     def encode(self, text: str) -> list[int]:

@@ -6,6 +6,7 @@ the engines read it as they are given it. Field names are verl's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 TRUNCATE_SIDES = ("left", "right", "middle")
 
@@ -28,10 +29,12 @@ class MultiTurnConfig:
     """verl's switch. true: the agent loop's multi-turn rollout with the configured tools and interactions;
     false: single turn (the tool and interaction configs are not loaded, data rows' tools_kwargs and
     interaction_kwargs are ignored)."""
-    max_assistant_turns: int = 5
-    """Most assistant (policy) turns per trajectory; a turn that wants to go on past it ends with `max_turns`."""
-    max_user_turns: int = 5
-    """Most simulated-user (interaction) turns per trajectory."""
+    max_assistant_turns: int | None = None
+    """Most assistant (policy) turns per trajectory; a turn that wants to go on past it ends with `max_turns`. None
+    (verl's default): no limit, the response budget (`response_length`) ends the trajectory."""
+    max_user_turns: int | None = None
+    """Most simulated-user (interaction) turns per trajectory. None (verl's default): no limit but the response
+    budget and the interaction's own end."""
     max_parallel_calls: int = 1
     """Tool calls of one turn running at once (the rest wait; none is dropped)."""
     max_tool_response_length: int = 256
@@ -50,11 +53,12 @@ class MultiTurnConfig:
 
     def __post_init__(self) -> None:
         p = "actor_rollout_ref.rollout.multi_turn"
-        for key in ("max_assistant_turns", "max_parallel_calls", "max_tool_response_length"):
+        for key in ("max_parallel_calls", "max_tool_response_length"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{p}.{key} is {getattr(self, key)}; it must be >= 1")
-        if self.max_user_turns < 0:
-            raise ValueError(f"{p}.max_user_turns is {self.max_user_turns}; it must be >= 0")
+        for key in ("max_assistant_turns", "max_user_turns"):  # verl reads 0 as no limit: refused, not reinterpreted
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ValueError(f"{p}.{key} is {getattr(self, key)}; use a turn count >= 1, or null for no limit")
         if self.tool_response_truncate_side not in TRUNCATE_SIDES:
             raise ValueError(f"{p}.tool_response_truncate_side={self.tool_response_truncate_side!r}; "
                              f"use one of {TRUNCATE_SIDES}")
@@ -81,6 +85,39 @@ class AgentConfig:
         if self.default_agent_loop not in AGENT_LOOPS:
             raise ValueError(f"actor_rollout_ref.rollout.agent.default_agent_loop={self.default_agent_loop!r} is not "
                              f"an agent loop polyturn runs; use one of {AGENT_LOOPS}")
+
+
+_R = "actor_rollout_ref.rollout"
+_PLACED = "the placement (recipe.placement gives each engine its GPUs: tensor_model_parallel_size of one node)"
+SGLANG_OWNED = {
+    "model_path": "actor_rollout_ref.model.path", "tokenizer_path": "actor_rollout_ref.model.path",
+    "trust_remote_code": "actor_rollout_ref.model.trust_remote_code", "tp_size": f"{_R}.tensor_model_parallel_size",
+    "dtype": f"{_R}.dtype", "mem_fraction_static": f"{_R}.gpu_memory_utilization",
+    "max_total_tokens": f"{_R}.max_total_tokens", "enable_deterministic_inference": f"{_R}.deterministic",
+    "random_seed": "trainer.seed (engine i samples with trainer.seed + i)",
+    **dict.fromkeys(("base_gpu_id", "gpu_id_step", "dp_size", "pp_size", "ep_size", "nnodes", "node_rank",
+                     "dist_init_addr"), _PLACED),
+    **dict.fromkeys(("port", "nccl_port"), "free ports of their own (several engines share a node)"),
+    "weight_version": "the weight sync (the trainer's version)",
+    "enable_memory_saver": "the placement (on exactly when the engines share GPUs with the trainer)",
+}
+"""SGLang `ServerArgs` that polyturn sets itself, and from what; `engine_kwargs.sglang` may not set them."""
+
+
+@dataclass
+class EngineKwargsConfig:
+    """`actor_rollout_ref.rollout.engine_kwargs.*` (verl's section): arguments passed to the engines as they are."""
+
+    sglang: dict[str, Any] = field(default_factory=dict)
+    """SGLang `ServerArgs` fields every engine starts with (`disable_radix_cache: true`, `attention_backend: fa3`,
+    ...), on top of polyturn's own; those polyturn sets from its keys (`SGLANG_OWNED`) are refused, and so is a name
+    SGLang's ServerArgs does not have (checked before Ray)."""
+
+    def __post_init__(self) -> None:
+        owned = [k for k in self.sglang if k in SGLANG_OWNED]
+        if owned:
+            raise ValueError(f"{_R}.engine_kwargs.sglang sets {owned}, which polyturn sets itself: " + "; ".join(
+                f"{k} from {SGLANG_OWNED[k]}" for k in owned) + "; drop them (set those keys instead)")
 
 
 @dataclass
@@ -173,6 +210,8 @@ class RolloutConfig:
     """Sampling of the validation rollouts (same agent loop, same engines)."""
     agent: AgentConfig = field(default_factory=AgentConfig)
     """Which agent loop rows without `agent_name` get."""
+    engine_kwargs: EngineKwargsConfig = field(default_factory=EngineKwargsConfig)
+    """Engine arguments passed through (`engine_kwargs.sglang.*`)."""
 
     def __post_init__(self) -> None:
         p = "actor_rollout_ref.rollout"
@@ -182,6 +221,8 @@ class RolloutConfig:
             self.val_kwargs = ValKwargsConfig(**self.val_kwargs)
         if isinstance(self.agent, dict):
             self.agent = AgentConfig(**self.agent)
+        if isinstance(self.engine_kwargs, dict):
+            self.engine_kwargs = EngineKwargsConfig(**self.engine_kwargs)
         if self.name != "sglang":
             raise ValueError(f"{p}.name is {self.name!r}; polyturn drives SGLang only: use sglang")
         for key in ("n", "response_length", "tensor_model_parallel_size", "update_weights_bucket_megabytes"):

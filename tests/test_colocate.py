@@ -296,7 +296,7 @@ def build_with_recorders(tmp_path, monkeypatch, use_gpus: bool, events: list[str
     monkeypatch.setattr(main_ppo, "Placement", Placement)
     monkeypatch.setattr(engine_actor.EngineClient, "launch", staticmethod(launch))
     monkeypatch.setattr(weight_sync, "WeightSync", lambda *args, **kwargs: FakeSync(events))
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", staticmethod(lambda path: None))
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", staticmethod(lambda path, **kwargs: None))
     trainer, _ = make_trainer(tmp_path, OFFLOAD + ["trainer.n_gpus_per_node=2"], colocated=use_gpus)
     try:
         return main_ppo.build_workers(trainer.cfg, "model", plan_placement(trainer.cfg))

@@ -48,7 +48,7 @@ def test_each_role_gets_its_own_layout_on_the_same_ranks(tmp_path, monkeypatch):
     monkeypatch.setattr(main_ppo, "Placement", Placement)
     monkeypatch.setattr(engine_actor.EngineClient, "launch", staticmethod(lambda path, name, **kw: FakeEngine(name, events)))
     monkeypatch.setattr(weight_sync, "WeightSync", lambda *args, **kwargs: FakeSync(events))
-    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", staticmethod(lambda path: None))
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", staticmethod(lambda path, **kwargs: None))
     trainer, _ = make_trainer(tmp_path, ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.n=2",
                                          "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
                                          "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1",

@@ -35,19 +35,13 @@ TOP = {k.split(".", 1)[0] for k in KNOWN}
 NOT_BUILT = {
     "grpo_qwen35_35b_megatron_async.sh": {
         "data.truncation": "left-truncating prompts is not built (long prompts are dropped)",
-        "data.apply_chat_template_kwargs.thinking": "chat-template options are not built",
         "actor_rollout_ref.actor.megatron.expert_model_parallel_size": "no MoE model, so no expert parallelism",
         "actor_rollout_ref.ref.megatron.expert_model_parallel_size": "no MoE model, so no expert parallelism",
-        **{f"actor_rollout_ref.rollout.engine_kwargs.sglang.{k}": "SGLang argument pass-through is not built"
-           for k in ("mamba_scheduler_strategy", "disable_radix_cache", "enable_memory_saver",
-                     "enable_weights_cpu_backup", "enable_draft_weights_cpu_backup", "disable_overlap_schedule")},
         **{f"actor_rollout_ref.model.mtp.{k}": "multi-token prediction is not built"
            for k in ("enable", "enable_train", "enable_rollout")},
     },
     "run_qwen3-0.6b_gsm8k_grpo_tool.sh": {},
-    "agent_loop_tutorial_tool_agent_cell.txt": {
-        "data.apply_chat_template_kwargs.enable_thinking": "chat-template options are not built",
-    },
+    "agent_loop_tutorial_tool_agent_cell.txt": {},
 }
 
 

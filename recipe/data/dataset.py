@@ -8,9 +8,10 @@ failing one sample at a time mid-run. So is a row whose `agent_name` is not an a
 (`tool_agent`, `single_turn_agent`); rows without one get `default_agent` (`agent.default_agent_loop`).
 
 With a tokenizer, each prompt is tokenized here, once, the way the engine gets it: the chat
-template with the sample's own tool schemas and the generation prompt (`rollout.prompt.encode_prompt`,
-the rollout's `ChatCodec`). The ids ride on the prompt (`RolloutPrompt.prompt_ids`) and the agent
-loop sends exactly them, so prompts longer than `max_prompt_length` are dropped (verl's
+template with the sample's own tool schemas, the generation prompt and `chat_template_kwargs`
+(verl's `data.apply_chat_template_kwargs`; `rollout.prompt.encode_prompt`, the rollout's `ChatCodec`).
+The ids ride on the prompt (`RolloutPrompt.prompt_ids`) and the agent loop sends exactly them, so
+prompts longer than `max_prompt_length` are dropped (verl's
 `filter_overlong_prompts`) by the length of the very sequence the engine would see.
 
 When a plug-in kind is not configured at all (no tool config / no interaction config), the
@@ -92,11 +93,12 @@ class RLDataset:
         tokenizer: Any = None,
         max_prompt_length: int | None = None,
         default_agent: str = "tool_agent",
+        chat_template_kwargs: dict[str, Any] | None = None,
     ):
         self.items: list[RolloutPrompt] = []
         dropped_kinds: set[str] = set()
         overlong = 0
-        codec = ChatCodec.for_tokenizer(tokenizer) if tokenizer is not None else None
+        codec = ChatCodec.for_tokenizer(tokenizer, chat_template_kwargs) if tokenizer is not None else None
         for where, row in read_parquet_rows(files):
             prompt = self._validate(where, row, tools, interactions, dropped_kinds, default_agent)
             if codec is not None:

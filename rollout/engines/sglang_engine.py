@@ -40,6 +40,14 @@ from rollout.engines.base import GenerateResult
 logger = logging.getLogger(__name__)
 
 
+def server_arg_names() -> set[str]:
+    """The argument names of SGLang's `ServerArgs` (what `sglang.Engine(**kwargs)` accepts)."""
+    from sglang.srt.arg_groups.arg_utils import record_fields
+    from sglang.srt.server_args import ServerArgs
+
+    return {f.name for f in record_fields(ServerArgs)}
+
+
 class EngineError(RuntimeError):
     """SGLang refused a control request (weight update, cache flush, ...)."""
 

@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import rollout_overlap
+from recipe.async_config import SCHEDULES
 from rollout.engines.base import GenerateResult
 from rollout.tools.base import BaseTool
 from rollout.tools.schemas import OpenAIFunctionToolSchema
 
 logger = logging.getLogger("benchmarks.async_training")
 
-SCHEDULES = ("sync", "one_step_off", "fully_async")
 RESULT_KEYS = ("sync_steps_per_h", "sync_engine_busy", "sync_trainer_busy", "sync_mean_staleness",
                "sync_max_staleness", "one_step_off_steps_per_h", "one_step_off_engine_busy",
                "one_step_off_trainer_busy", "one_step_off_mean_staleness", "one_step_off_max_staleness",

@@ -84,7 +84,7 @@ def check_reward_function(cfg: PPOConfig) -> None:
 
 def check_data(cfg: PPOConfig, rows: int, data_sources: set[str]) -> None:
     """Refuse a batch larger than the data and a data source with no scorer (each on its own)."""
-    from recipe.tasks import scorer_paths
+    from recipe.tasks import missing_scorer_problems, scorer_paths
 
     problems = Problems()
     if cfg.data.train_batch_size > rows:
@@ -92,12 +92,8 @@ def check_data(cfg: PPOConfig, rows: int, data_sources: set[str]) -> None:
                                  "loaded from data.train_files (after dropping prompts over data.max_prompt_length); "
                                  f"lower it to <= {rows}"))
     if cfg.custom_reward_function.path is None:
-        known = scorer_paths()
-        missing = sorted(data_sources - set(known))
-        if missing:
-            problems.add(ConfigError(f"data_source {missing} in data.train_files / data.val_files has no outcome "
-                                     f"scorer (known: {sorted(known)}); set custom_reward_function.path=<file.py> or "
-                                     "add a task (a module in recipe/tasks/ with the source in DATA_SOURCES)"))
+        for line in missing_scorer_problems(data_sources, scorer_paths(), "in data.train_files / data.val_files"):
+            problems.add(ConfigError(line))
     problems.raise_all()
 
 

@@ -91,7 +91,7 @@ def test_scorer_is_the_task_declaring_the_data_source_and_takes_reward_kwargs(tm
     monkeypatch.setattr(recipe.tasks, "__path__", [*recipe.tasks.__path__, str(tmp_path)])
     fn = RewardFn(RewardConfig(), CustomRewardFunctionConfig())
     assert fn.outcome(_traj("a/0", "test/suffix", "ends with abc", truth="abc"))[0] == 1.0
-    with pytest.raises(ValueError, match="no outcome scorer for data_source 'math500'.*custom_reward_function.path"):
+    with pytest.raises(ValueError, match=r"data_source \['math500'\] of a trajectory has no outcome scorer.*custom_reward_function.path"):
         fn.outcome(_traj("a/0", "math500", "#### 72"))
     flexible = RewardFn(RewardConfig(), CustomRewardFunctionConfig(reward_kwargs={"method": "flexible"}))
     assert fn.outcome(_traj("a/0", "openai/gsm8k", "it is 72"))[0] == 0.0

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from recipe.algos import place_token_rewards
-from recipe.tasks import scorer_paths
+from recipe.tasks import missing_scorer_problems, scorer_of, scorer_paths
 from rollout.plugins import PluginConfigError, import_object
 from rollout.trajectory import Trajectory
 
@@ -76,16 +76,15 @@ class CustomRewardFunctionConfig:
 def task_compute_score() -> ComputeScore:
     """verl's `default_compute_score` role: each row scored by the task that declares its data source
     (`recipe.tasks`), called as `compute_score(solution_str, ground_truth, **reward_kwargs)`."""
-    scorers = {source: import_object(path, f"the scorer of data_source {source!r}")
-               for source, path in scorer_paths().items()}
+    paths = scorer_paths()
+    scorers = {path: import_object(path, f"the scorer of data_source {source!r}") for source, path in paths.items()}
 
     def compute_score(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
                       **reward_kwargs: Any) -> float | dict[str, Any]:
-        scorer = scorers.get(data_source)
-        if scorer is None:
-            raise ValueError(f"no outcome scorer for data_source {data_source!r}; known: {sorted(scorers)}. Add a task "
-                             "(a module in recipe/tasks/ with it in DATA_SOURCES) or set custom_reward_function.path")
-        return scorer(solution_str, ground_truth, **reward_kwargs)
+        path = scorer_of(data_source, paths)
+        if path is None:
+            raise ValueError(missing_scorer_problems([data_source], paths, "of a trajectory")[0])
+        return scorers[path](solution_str, ground_truth, **reward_kwargs)
 
     return compute_score
 

@@ -128,9 +128,10 @@ def config_page() -> str:
 
     return "\n".join([
         "# Config reference", "", _GENERATED, "",
-        "Every key `python -m recipe.main_ppo` (RL) and `python -m recipe.main_sft` (SFT) accept, read from the config "
-        "dataclasses. The default is the dataclass's with the entry's base YAML on top (`recipe/config/ppo_trainer.yaml`, "
-        "`recipe/config/sft_trainer.yaml`; `${...}` is an interpolation of another key). Presets change a few values: "
+        "Every key `python -m recipe.main_ppo` (RL) and `python -m recipe.main_sft` (SFT) accept, read from the "
+        "config dataclasses. The default is the dataclass's with the entry's base YAML on top "
+        "(`recipe/config/ppo_trainer.yaml`, `recipe/config/sft_trainer.yaml`; `${...}` is an interpolation of another "
+        "key). Presets change a few values: "
         "see `recipe/config/`. Override any key on the command line: `key=value`.", "",
         "## RL keys (`python -m recipe.main_ppo`)", "", config_table(PPOConfig, "ppo_trainer.yaml"), "",
         "## SFT keys (`python -m recipe.main_sft`)", "", config_table(SFTConfig, "sft_trainer.yaml"), "",

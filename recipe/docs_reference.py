@@ -136,7 +136,8 @@ def config_page() -> str:
         "## RL keys (`python -m recipe.main_ppo`)", "", config_table(PPOConfig, "ppo_trainer.yaml"), "",
         "## SFT keys (`python -m recipe.main_sft`)", "", config_table(SFTConfig, "sft_trainer.yaml"), "",
         "## verl keys", "",
-        "verl v0.9's trainer keys that are not polyturn keys, and what each becomes here (`recipe/verl_keys.py`). A "
+        "A verl v0.9 key with the name of a polyturn key above is that key, honoured. Below: verl's trainer keys that "
+        "are not polyturn keys, and what each becomes here (`recipe/verl_keys.py`). A "
         "section (`trainer.v1`) stands for every key under it; `*.<name>` matches that name in any section. "
         "Warned keys are listed in one start-up warning; refused keys stop the launch before Ray, all in one line. "
         "See [migrating from verl](../migrating-from-verl.md).", "",

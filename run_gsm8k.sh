@@ -5,8 +5,8 @@
 #
 # 1. installs .venv (scripts/install.sh; returns at once when up to date);
 # 2. with a GPU (or PRESET set): prepares GSM8K as verl-format parquet in $DATA_DIR (default ./data/gsm8k,
-#    git-ignored) from ../shared/data/gsm8k when it exists, else from the hub (openai/gsm8k), and trains
-#    the gsm8k_qwen2_5_3b preset (PRESET=cpu_tiny: the tiny test model, a few steps on CPU);
+#    git-ignored) from the hub (openai/gsm8k), or from LOCAL_GSM8K (a directory holding GSM8K's train.jsonl and
+#    test.jsonl) when set, and trains the gsm8k_qwen2_5_3b preset (PRESET=cpu_tiny: the tiny test model, a few steps on CPU);
 # 3. without a GPU: the cpu_learn preset in $RUN_DIR (default ./outputs/cpu_learn/seed$SEED):
 #    synthetic GSM8K-format data (recipe.tasks.synthetic_math) -> tiny Qwen2 (init std 0.02) ->
 #    multi-turn SFT (recipe.main_sft) -> GRPO with the python tool (recipe.main_ppo --config-name
@@ -26,9 +26,13 @@ bash scripts/install.sh
 
 if [ -n "${PRESET:-}" ] || python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
   DATA_DIR=${DATA_DIR:-$ROOT/data/gsm8k}
-  LOCAL_GSM8K=${LOCAL_GSM8K:-$ROOT/../shared/data/gsm8k}
+  LOCAL_GSM8K=${LOCAL_GSM8K:-}  # opt-in: a directory with GSM8K's train.jsonl / test.jsonl; unset: the hub
   if [ ! -f "$DATA_DIR/train.parquet" ]; then
-    if [ -f "$LOCAL_GSM8K/train.jsonl" ]; then
+    if [ -n "$LOCAL_GSM8K" ]; then
+      if [ ! -f "$LOCAL_GSM8K/train.jsonl" ] || [ ! -f "$LOCAL_GSM8K/test.jsonl" ]; then
+        echo "run_gsm8k: LOCAL_GSM8K=$LOCAL_GSM8K holds no train.jsonl / test.jsonl; point it at GSM8K's jsonl files or unset it (the hub)" >&2
+        exit 2
+      fi
       python -m recipe.tasks.gsm8k --out "$DATA_DIR" --local-dir "$LOCAL_GSM8K"
     else
       python -m recipe.tasks.gsm8k --out "$DATA_DIR"

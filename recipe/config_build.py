@@ -156,24 +156,24 @@ def register_schema(name: str, cls: type) -> None:
     ConfigStore.instance().store(name=name, node=defaults(cls))
 
 
-def _leaves(cls: type, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(dotted key, type hint) of every leaf field, sections walked into."""
+def leaves(cls: type, prefix: str = "") -> Iterator[tuple[str, Any, type]]:
+    """(dotted key, type hint, the section dataclass declaring it) of every leaf field, sections walked into."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         section = section_type(hints[f.name])
         if section is not None:
-            yield from _leaves(section, f"{prefix}{f.name}.")
+            yield from leaves(section, f"{prefix}{f.name}.")
         else:
-            yield prefix + f.name, hints[f.name]
+            yield prefix + f.name, hints[f.name], cls
 
 
 def dict_keys(cls: type) -> list[str]:
     """The dotted keys of free-form mapping fields (`reward_kwargs`, `override_transformer_config`): any key under
     them is accepted as it is."""
-    return [key for key, hint in _leaves(cls) if hint is dict or typing.get_origin(hint) is dict]
+    return [key for key, hint, _ in leaves(cls) if hint is dict or typing.get_origin(hint) is dict]
 
 
 def flat_keys(cls: type) -> list[str]:
     """Every dotted leaf key the config accepts (the public config surface)."""
-    return sorted(key for key, _ in _leaves(cls))
+    return sorted(key for key, _, _ in leaves(cls))
 

@@ -1,4 +1,4 @@
-"""Faults during a run: dead engines restarted and resynced, and steps that train nothing (README "Faults").
+"""Faults during a run: dead engines restarted and resynced, and steps that train nothing (docs/faults.md).
 
 - After every rollout (and when a weight sync fails) each engine answers a one-token health probe; a dead engine
   (actor died, or probe past `rollout.engine_health_timeout_s`) is restarted on its bundle, synced to the current

@@ -73,7 +73,8 @@ FULL = Lengths(rows=16, prompt=(200, 350), response=(100, 1500), tool_span=50, m
 SMALL = Lengths(rows=4, prompt=(20, 35), response=(10, 150), tool_span=5, micro_batch_tokens=512)
 CPU_ROWS = 3
 """Rows of the full-shape batch on a CPU (same lengths): 2 cores train Qwen2.5-0.5B's shapes at 50-65 tokens/s, so
-the 16-row batch (~17k tokens, 3 updates) would take ~25 minutes; 3 rows took 5 minutes, 4 nearly 8 (README)."""
+the 16-row batch (~17k tokens, 3 updates) would take ~25 minutes; 3 rows took 5 minutes, 4 nearly 8
+(docs/benchmarks/before-2026-12-07.md)."""
 
 
 def write_model(out: Path, small: bool) -> Path:

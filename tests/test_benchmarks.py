@@ -37,7 +37,7 @@ def benchmark_scratch() -> list[Path]:
 
 
 def test_benchmarks_found():
-    """The folder listing finds the benchmarks the README quotes (so an empty glob cannot pass silently)."""
+    """The folder listing finds the benchmarks the docs quote (so an empty glob cannot pass silently)."""
     assert {"rollout_overlap", "train_step", "weight_sync"} <= {p.stem for p in BENCHMARKS}
 
 

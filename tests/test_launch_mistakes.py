@@ -4,8 +4,8 @@ no traceback (HYDRA_FULL_ERROR=1 shows one); a launch with several mistakes prin
 The mistakes run in this process through the entry point's own two stages (`recipe.launch.load`: the command
 line, Hydra's compose and the typed config; `recipe.main_ppo.prepare`: the model, data and plug-in checks), the
 same calls `python -m recipe.main_ppo` makes before it starts Ray; two real subprocess runs prove the exit code
-and that no traceback is printed. README.md's "Launch mistakes" table is this list with the line each mistake
-got: `UPDATE_README=1 pytest tests/test_launch_mistakes.py -k readme` rewrites it, the test checks it.
+and that no traceback is printed. docs/reference/launch-errors.md's table is this list with the line each mistake
+got: `UPDATE_DOCS=1 pytest tests/test_launch_mistakes.py -k table` rewrites it, the test checks it.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from recipe.config_build import problem_lines
 from recipe.tasks import gsm8k
 
 REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
+PAGE = REPO / "docs" / "reference" / "launch-errors.md"
 START, END = "<!-- launch-mistakes:start -->", "<!-- launch-mistakes:end -->"
 RECORDS = [{"question": f"Tom has {i} boxes of 3 apples. How many apples?", "answer": f"{i} * 3 = {3 * i}\n#### {3 * i}"}
            for i in range(2, 6)]
@@ -299,18 +299,19 @@ def _table(lines, d: Path, model: Path) -> str:
 
 
 @pytest.mark.unit
-def test_readme_launch_mistakes_table_is_this_list(lines, setup, tiny_model_dir):
-    """Contract: README.md's "Launch mistakes" table is generated from this test's list and the lines it got
-    (UPDATE_README=1 rewrites it)."""
+def test_launch_errors_page_table_is_this_list(lines, setup, tiny_model_dir):
+    """Contract: docs/reference/launch-errors.md's table is generated from this test's list and the lines it got
+    (UPDATE_DOCS=1 rewrites it)."""
     table = _table(lines, setup[0], tiny_model_dir)
-    text = README.read_text()
-    assert START in text and END in text, f"README.md lacks the {START} ... {END} markers"
+    text = PAGE.read_text()
+    assert START in text and END in text, f"{PAGE.name} lacks the {START} ... {END} markers"
     head, rest = text.split(START, 1)
     current, tail = rest.split(END, 1)
-    if os.environ.get("UPDATE_README") == "1":
-        README.write_text(f"{head}{START}\n{table}\n{END}{tail}")
+    if "1" in (os.environ.get("UPDATE_DOCS"), os.environ.get("UPDATE_README")):  # UPDATE_README: the old name
+        PAGE.write_text(f"{head}{START}\n{table}\n{END}{tail}")
     else:
-        assert current.strip() == table, "README's table is stale: UPDATE_README=1 pytest tests/test_launch_mistakes.py"
+        assert current.strip() == table, ("docs/reference/launch-errors.md's table is stale: "
+                                          "UPDATE_DOCS=1 pytest tests/test_launch_mistakes.py -k table")
 
 
 def _run(argv: list[str], **env: str) -> subprocess.CompletedProcess:

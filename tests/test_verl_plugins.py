@@ -384,13 +384,13 @@ def test_deeply_nested_arguments_are_bad_arguments_not_a_crash(strict):
 
 @pytest.mark.unit
 def test_readme_examples_of_a_tool_and_an_interaction_run(monkeypatch):
-    """Contract: the README's worked examples ("Plug-ins from verl") load from YAML and run as the text says."""
+    """Contract: the worked examples of docs/tools-and-interactions.md load from YAML and run as the text says."""
     import re
     import sys
     import types
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme[readme.index("### Plug-ins from verl"):readme.index("## Useful entry points")]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "tools-and-interactions.md").read_text()
+    section = page[page.index("## Worked examples"):]
     module = types.ModuleType("readme_plugins")
     exec("\n".join(re.findall(r"```python\n(.*?)```", section, re.DOTALL)), module.__dict__)  # noqa: S102
     monkeypatch.setitem(sys.modules, "readme_plugins", module)

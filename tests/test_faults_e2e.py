@@ -212,8 +212,9 @@ def test_the_rerun_resumes_keeps_each_step_once_and_with_no_restart_allowed_a_ki
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert metrics[:2] == runs["first_metrics"][:2]
     assert metrics[2]["fault/engine_restarts"] == 0 and "actor/grad_norm" in metrics[2]  # the rerun's own step 3
-    # its engine sampled step 3 from the restored actor: version 2, log-probs the actor's
-    assert metrics[2]["rollout/weight_version_min"] == 2 and metrics[2]["training/rollout_probs_diff_max"] < 1e-3
+    # its engine sampled step 3 from the restored actor: checkpoint 2's version (1: step 2 trained nothing, its
+    # engine died), with the actor's log-probs
+    assert metrics[2]["rollout/weight_version_min"] == 1 and metrics[2]["training/rollout_probs_diff_max"] < 1e-3
     rerun = runs["rerun"]
     assert rerun["rc"] != 0 and rerun["left"] == []
     assert rerun["seconds"] < ROLLOUT_TIMEOUT_S + SHUTDOWN_SLACK_S

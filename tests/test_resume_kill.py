@@ -224,11 +224,12 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_run_bit_for_bit(runs):
 @pytest.mark.e2e
 def test_uninterrupted_run_checkpoints_every_step_and_auto_picks_the_newest(runs):
     """Contract: save_freq=1 writes global_step_<k> after each step, the marker names the newest, which auto resume
-    picks; the trainer state holds the step, the weight version, the sampler position and the wandb id."""
+    picks; the trainer state holds the step, the weight version, the sampler position (past the batch rolled out
+    ahead) and the wandb id."""
     ref = runs["reference"]
     assert sorted(p.name for p in ref.glob("global_step_*")) == ["global_step_1", "global_step_2"]
     assert checkpoint.resume_dir("auto", ref, None) == ref / "global_step_2"
     state = checkpoint.TrainerState.read(ref / "global_step_1")
-    assert (state.step, state.weight_version, state.batches_consumed) == (1, 1, 1)
+    assert (state.step, state.weight_version, state.batches_consumed) == (1, 1, 2)  # step 2's batch, rolled out ahead
     assert state.wandb_run_id is not None and state.wandb_run_id == checkpoint.TrainerState.read(
         ref / "global_step_2").wandb_run_id

@@ -29,19 +29,21 @@ TOOLS = ("check", "get_weather", "calculator", "broken")  # the YAML's tool and 
 REPO = Path(__file__).resolve().parents[1]
 SYSTEM = ("You are a math expert. Reason step by step, check your answer with the `check` tool, and put your final "
           "answer in the format of `#### <answer>`.")
+KINDS = ("single_turn_agent", "tool_agent", "tool_agent")  # row i: KINDS[i % 3]; tools_kwargs only when i % 3 == 1
 
 
-def v0_9_row(i: int, split: str, agent: str) -> dict:
-    """A row as verl v0.9's gsm8k_tool_agent_loop.py writes it (the tool's name is the YAML's, `check`)."""
+def v0_9_row(i: int, split: str) -> dict:
+    """A row as verl v0.9's gsm8k_tool_agent_loop.py writes it (the tool's name is the YAML's, `check`), its agent
+    KINDS[i % 3]; the tool_agent rows with i % 3 == 2 carry no tools_kwargs."""
     question, solution = f"Tom has {i} boxes of 3 apples. How many apples?", str(3 * i)
-    return {"data_source": "openai/gsm8k", "agent_name": agent,
+    kwargs = {"tools_kwargs": {"check": {"create_kwargs": {"ground_truth": solution}}}} if i % 3 == 1 else {}
+    return {"data_source": "openai/gsm8k", "agent_name": KINDS[i % 3],
             "prompt": [{"role": "system", "content": SYSTEM},
                        {"role": "user", "content": question + " Let's think step by step and output the final answer "
                                                               "after `####`."}],
             "ability": "math", "reward_model": {"style": "rule", "ground_truth": solution},
             "extra_info": {"split": split, "index": i, "answer": f"{i} * 3 = {solution}\n#### {solution}",
-                           "question": question, "need_tools_kwargs": True,
-                           "tools_kwargs": {"check": {"create_kwargs": {"ground_truth": solution}}}}}
+                           "question": question, "need_tools_kwargs": bool(kwargs), **kwargs}}
 
 
 SIZES = {"data.train_batch_size": 4, "data.max_prompt_length": 1024, "data.max_response_length": 48,
@@ -53,12 +55,12 @@ SIZES = {"data.train_batch_size": 4, "data.max_prompt_length": 1024, "data.max_r
 def test_verl_v0_9_agent_loop_cell_trains_with_its_rows_a_verl_recipe_tool_and_function_tools(tiny_model_dir,
                                                                                              tmp_path):
     """Contract: the tutorial cell (every key as verl writes it, the sizes above replaced in place, the model the
-    tiny one) starts and trains step 1; the tool_agent rows are offered the verl-recipe tool and the function tools
-    (their schemas in the rendered prompt the engine got), the single_turn_agent rows none; the tensorboard logger
-    writes the step."""
+    tiny one) starts and trains step 1; a tool_agent row without tools_kwargs is offered the verl-recipe tool and the
+    function tools (their schemas in the rendered prompt the engine got), one with tools_kwargs the tools it names,
+    a single_turn_agent row none; the tensorboard logger writes the step."""
     home = tmp_path / "home"
     for split in ("train", "test"):
-        rows = [v0_9_row(i, split, "tool_agent" if i % 2 else "single_turn_agent") for i in range(2, 10)]
+        rows = [v0_9_row(i, split) for i in range(2, 11)]
         write_rows(rows, home / "data" / "gsm8k" / f"{split}.parquet")
     checkout = verl_recipe_checkout(tmp_path / "verl")
     (home / "gsm8k_tool_config.yaml").write_text(yaml.safe_dump(
@@ -84,11 +86,11 @@ def test_verl_v0_9_agent_loop_cell_trains_with_its_rows_a_verl_recipe_tool_and_f
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     rows = [json.loads(ln) for ln in (out / "rollout" / "1.jsonl").read_text().splitlines()]
-    offered: dict[str, set] = {}  # agent -> the tools whose schemas the prompts of its rows carry
+    offered: dict[int, set] = {}  # i % 3 -> the tool sets whose schemas the prompts of those rows carry
     for r in rows:
         i = int(re.search(r"Tom has (\d+) boxes", r["prompt"][-1]["content"]).group(1))
-        agent = "tool_agent" if i % 2 else "single_turn_agent"  # as v0_9_row gave them
         in_prompt = frozenset(name for name in TOOLS if f'"{name}"' in tokenizer.decode(r["prompt_ids"]))
-        offered.setdefault(agent, set()).add(in_prompt)
-    assert offered == {"tool_agent": {frozenset(TOOLS)}, "single_turn_agent": {frozenset()}}, offered
+        offered.setdefault(i % 3, set()).add(in_prompt)
+    # single_turn_agent: none; tools_kwargs: the tools it names (polyturn's per-sample choice); none: every tool
+    assert offered == {0: {frozenset()}, 1: {frozenset({"check"})}, 2: {frozenset(TOOLS)}}, offered
     assert any((tmp_path / "tb").rglob("events.out.tfevents.*"))

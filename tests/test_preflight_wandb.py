@@ -70,8 +70,9 @@ def test_offline_mode_or_a_login_passes(tmp_path, how):
 @pytest.mark.integration
 def test_the_entry_point_refuses_it_before_ray(tiny_model_dir, tmp_path):
     """Contract: `python -m recipe.main_ppo ... trainer.logger=[console,wandb]` with no login exits 2 with one
-    `polyturn: error:` line and no traceback, starting nothing; with WANDB_MODE=offline the same launch passes the
-    check and stops at the next one (a batch larger than the data), still before Ray."""
+    `polyturn: error:` line for it (beside the batch larger than the data, refused in the same run) and no traceback,
+    starting nothing; with WANDB_MODE=offline the same launch passes the check and is refused for the batch alone,
+    still before Ray."""
     rows = [gsm8k.make_row({"question": f"{i} + 1?", "answer": f"#### {i + 1}"}, "train", i) for i in range(4)]
     write_rows(rows, tmp_path / "train.parquet")
     home = tmp_path / "home"
@@ -86,9 +87,9 @@ def test_the_entry_point_refuses_it_before_ray(tiny_model_dir, tmp_path):
         assert "Traceback" not in proc.stderr + proc.stdout and "ray" not in proc.stderr.lower()
         return proc, [ln for ln in proc.stderr.splitlines() if ln.startswith("polyturn: error: ")]
 
-    _, errors = run()
-    assert len(errors) == 1 and "trainer.logger=['console', 'wandb'] includes wandb but no wandb login" in errors[0]
-    assert FIXES in errors[0]
+    _, errors = run()  # both refusals at once: the login, and the batch checked beside it
+    assert len(errors) == 2 and "trainer.logger=['console', 'wandb'] includes wandb but no wandb login" in errors[0]
+    assert FIXES in errors[0] and "data.train_batch_size=8 exceeds the 4 prompts" in errors[1], errors
     _, errors = run(WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "wandb"))
     assert len(errors) == 1 and "data.train_batch_size=8 exceeds the 4 prompts" in errors[0], errors
     assert not (tmp_path / "out" / "metrics.jsonl").exists()

@@ -38,6 +38,9 @@ class Relay:
                  buffers: BucketBuffers, device: torch.device, meter: MemoryMeter) -> None:
         self.stage, self.key, self.engines, self.group = stage, plan.key, plan.engines, group
         self.stage_plans, self.buffers, self.device, self.meter = stage_plans, buffers, device, meter
+        # each received stage's bucket sizes in bytes, by bucket index (the buffers' capacities)
+        self.sizes = {s: [sum(tensor_bytes(t) for _, t in planned) for planned in plan_s]
+                      for s, plan_s in stage_plans.items()}
         self.fillers = {c.filler for c in plan.copies}
         self.own = [c for c in plan.copies if c.filler == me == c.serializer]  # filled and serialized here
         self.targets = sorted({c.serializer for c in plan.copies if c.filler == me != c.serializer})
@@ -71,8 +74,7 @@ class Relay:
             ops = [dist.P2POp(dist.isend, own.flat, x, self.group) for x in self.targets]
         while self.pending and self.pending[0][:2] == (k, stage):
             _, _, filler, copies = self.pending.pop(0)
-            sizes = [sum(tensor_bytes(t) for _, t in planned) for planned in self.stage_plans[stage]]
-            flat = self.buffers.take(k, sizes, self.device, stream=filler)
+            flat = self.buffers.take(k, self.sizes[stage], self.device, stream=filler)
             received.append((Bucket(k, flat, planned_slots(self.stage_plans[stage][k])), copies))
             ops.append(dist.P2POp(dist.irecv, flat, filler, self.group))
             self.meter.add(flat.numel())
